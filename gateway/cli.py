@@ -1,0 +1,38 @@
+"""The `kvgate` command line: one entry point, one subcommand per job.
+
+Each subcommand lives beside the code it drives and exposes `register(subparsers)`, which adds
+its parser and sets `func`; heavy imports stay inside the functions so that `kvgate --help`
+is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Modules that contribute a subcommand, in the order `kvgate --help` lists them.
+SUBCOMMAND_MODULES: tuple[str, ...] = ("estimator.cli",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description="Admission control for vLLM against its live KV-cache block budget.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    exit_code: int = args.func(args)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Session-wide fixtures: the real vLLM testbed and the tiny model beside it.
+
+`make test` starts one vLLM before pytest and passes its URL in KVGATE_TEST_VLLM_URL; running
+pytest by hand without it starts a testbed for the session (about 100 s) and stops it after.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "testbed"))
+import testbed
+
+VLLM_URL_ENV = "KVGATE_TEST_VLLM_URL"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real vLLM serving the tiny model (no trailing slash)."""
+    given = os.environ.get(VLLM_URL_ENV)
+    if given:
+        url = given.rstrip("/")
+        if not testbed.is_ready(url):
+            pytest.fail(f"{VLLM_URL_ENV}={url} does not answer /health")
+        yield url
+        return
+    port = int(os.environ.get("KVGATE_TEST_VLLM_PORT", "8021"))
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    process = testbed.start(port, log)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        testbed.stop_process(process.pid)
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The tiny model's folder (config, tokenizer, chat template), built by the testbed install."""
+    path = testbed.model_dir()
+    if not (path / ".built").exists():
+        testbed.install()
+    return path
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
