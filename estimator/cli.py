@@ -132,10 +132,12 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
         "capacity_uses": "kv_bytes_per_token (vLLM block accounting)",
         "max_model_len": max_model_len,
     }
-    wants_plan = args.gpu_memory_gib is not None or args.num_gpu_blocks_override is not None
-    if max_model_len is None and (wants_plan or args.prompt_tokens is not None or args.request is not None):
-        raise UsageError("the config has no max_position_embeddings: pass --max-model-len")
-    if wants_plan:
+    def context_length() -> int:
+        if max_model_len is None:
+            raise UsageError("the config has no max_position_embeddings: pass --max-model-len")
+        return int(max_model_len)
+
+    if args.gpu_memory_gib is not None or args.num_gpu_blocks_override is not None:
         weights = (
             int(args.weights_gib * kv.GIB)
             if args.weights_gib is not None
@@ -143,7 +145,7 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
         )
         plan = kv.capacity_plan(
             layout,
-            max_model_len=max_model_len,
+            max_model_len=context_length(),
             gpu_memory_gib=args.gpu_memory_gib,
             gpu_memory_utilization=args.gpu_memory_utilization,
             weights_bytes=weights,
@@ -162,7 +164,7 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
     if prompt_tokens is not None:
         if args.max_tokens is not None and args.max_tokens < 1:
             raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-        room = max_model_len - prompt_tokens
+        room = context_length() - prompt_tokens
         if room < 1:
             raise UsageError(
                 f"the prompt ({prompt_tokens} tokens) leaves no room in max-model-len {max_model_len}"

@@ -327,7 +327,12 @@ def _parameter_count(
         )
     else:
         mlp_total = layers * mlp_matrices * hidden * intermediate
-    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    # transformers ties the output head to the embeddings by default for Gemma and GPT-2, and
+    # their configs leave the field out.
+    model_type = str(cfg.get("model_type", ""))
+    tied_by_default = model_type.startswith(("gemma", "gpt2"))
+    tied = cfg.get("tie_word_embeddings", tied_by_default)
+    embeddings = vocab * hidden * (1 if tied else 2)
     return layers * attention + mlp_total + embeddings
 
 
@@ -443,7 +448,9 @@ def kv_cache_layout(
         buckets.setdefault(kind, []).append(index)
     attention_buckets = {kind: idx for kind, idx in buckets.items() if kind is not LayerKind.STATE}
     if not attention_buckets:
-        raise ConfigError("layer_types", "config has no attention layer: nothing grows a KV cache")
+        raise ConfigError(
+            "layer_types", "config layer_types has no attention layer: nothing grows a KV cache"
+        )
     sizes = [len(layers) for layers in buckets.values()]
     group_size = min(sizes)
     if max(sizes) < min(sizes) * HYBRID_GROUP_BALANCE_RATIO:
