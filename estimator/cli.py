@@ -132,6 +132,7 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
         "capacity_uses": "kv_bytes_per_token (vLLM block accounting)",
         "max_model_len": max_model_len,
     }
+
     def context_length() -> int:
         if max_model_len is None:
             raise UsageError("the config has no max_position_embeddings: pass --max-model-len")

@@ -19,7 +19,9 @@ from estimator.tokens import Route, TokenCounter
 DEFAULT_MODEL = Path(os.environ.get("KVGATE_CACHE_DIR", Path.home() / ".cache" / "kvgate")) / "tiny-llama"
 
 
-def measure(counter: TokenCounter, route: Route, body: dict[str, object], repeat: int) -> tuple[float, float, int]:
+def measure(
+    counter: TokenCounter, route: Route, body: dict[str, object], repeat: int
+) -> tuple[float, float, int]:
     tokens = counter.count(route, body).tokens  # warm caches once
     samples = []
     for _ in range(repeat):
@@ -31,7 +33,9 @@ def measure(counter: TokenCounter, route: Route, body: dict[str, object], repeat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model", nargs="?", default=str(DEFAULT_MODEL))
     parser.add_argument("--repeat", type=int, default=500)
     args = parser.parse_args()

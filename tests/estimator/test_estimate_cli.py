@@ -51,9 +51,13 @@ def test_request_file_counted_with_tokenizer(
 ) -> None:
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 50}))
-    assert kvgate(["estimate", str(tiny_model_dir), "--request", str(body), "--block-size", "32", "--json"]) == 0
+    assert (
+        kvgate(["estimate", str(tiny_model_dir), "--request", str(body), "--block-size", "32", "--json"]) == 0
+    )
     result = json.loads(capsys.readouterr().out)
-    assert result["prompt_tokens"] == 16  # as vLLM reports it for this body (tests/estimator/test_tokens_vllm.py)
+    assert (
+        result["prompt_tokens"] == 16
+    )  # as vLLM reports it for this body (tests/estimator/test_tokens_vllm.py)
     assert result["max_output_tokens"] == 50
     assert result["request_blocks"] == 3  # ceil(66 / 32)
 
@@ -72,7 +76,10 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path: Path, config: dict[str, obj
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "estimate", str(path)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "gateway.cli", "estimate", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 2
     assert field in done.stderr
