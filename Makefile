@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_VLLM_PORT ?= 8000
 
-.PHONY: venv testbed lint test demo demo-stop clean
+.PHONY: venv testbed system-deps lint test demo demo-stop clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,12 +21,15 @@ venv: $(BIN)/.installed
 testbed:
 	bash tests/testbed/install.sh >/dev/null
 
+system-deps:
+	bash tests/system_deps.sh
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: venv testbed
+test: venv testbed system-deps
 	bash tests/run.sh
 
 demo: venv testbed

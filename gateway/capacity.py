@@ -1,0 +1,266 @@
+"""How many KV blocks of one backend can be promised right now, and how sure we are (pure).
+
+Two loops meet here:
+
+- the open loop is the `Ledger`: what the gateway sent and what each request will hold at its
+  peak. It moves at once with every admission, streamed token and completion, so it is what
+  the budget follows between scrapes;
+- the closed loop is vLLM's own `/metrics` (`BackendReading`): what the engine really holds.
+
+At each scrape `KvBudget.observe` compares the two and corrects the ledger in both directions:
+
+- vLLM holds more than the ledger explains (other clients, a chat template counted short):
+  the excess becomes `external_blocks`, added to every projection until the next scrape;
+- vLLM holds less than the settled requests' ledger count (prefix-cache sharing, a request
+  that finished inside vLLM but whose last bytes are still on the way): the settled entries get
+  a credit in proportion, which leaves with each of them when it completes.
+
+Only *settled* entries (admitted at least `settle_s` before the scrape started) earn credit:
+a request that was just sent may not be allocated yet, and crediting its absence would let
+the gateway promise the same blocks twice. For the same reason no credit is given while vLLM
+reports waiting requests (they hold nothing yet but will). One partially filled block per
+settled sequence is tolerated before usage counts as external: vLLM allocates the slot of a
+token before the gateway sees the token.
+
+On top sits an AIMD limit on the admissible share of the pool: a rising
+`vllm:num_preemptions_total` multiplies it down (once per cooldown, preemptions come in
+bursts), quiet periods add back a fixed share per second, always within [min, max].
+
+Unknown means saturated: without a fresh reading the budget is not `known`, and the policy
+admits nothing new, unless configured to fall back on the ledger alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from gateway.ledger import Ledger
+from gateway.vllm_metrics import BackendReading
+
+
+class BudgetState(StrEnum):
+    """Freshness of the closed loop; doubles as a metric label and a /readyz reason."""
+
+    FRESH = "fresh"
+    STALE = "stale"  # the last good scrape is older than stale_after_s
+    DOWN = "down"  # the backend cannot be reached
+    UNSEEN = "unseen"  # no good scrape yet
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityConfig:
+    stale_after_s: float
+    settle_s: float
+    unknown_is_saturated: bool
+    down_after_failures: int
+    min_fraction: float
+    max_fraction: float
+    initial_fraction: float
+    decrease_factor: float
+    increase_per_s: float
+    quiet_s: float
+    decrease_cooldown_s: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.min_fraction <= self.initial_fraction <= self.max_fraction <= 1.0:
+            raise ValueError("need 0 < min_fraction <= initial_fraction <= max_fraction <= 1")
+        if not 0.0 < self.decrease_factor < 1.0:
+            raise ValueError("decrease_factor must lie in (0, 1)")
+
+
+class AimdLimit:
+    """The admissible fraction of the pool, steered by vLLM's preemption counter."""
+
+    def __init__(self, config: CapacityConfig) -> None:
+        self._config = config
+        self.fraction = config.initial_fraction
+        self._last_total: float | None = None
+        self._decreased_at = -math.inf
+        self._pressure_at = -math.inf
+        self._updated_at: float | None = None
+        self.preemptions_seen = 0.0
+
+    def observe(self, preemptions_total: float | None, now: float) -> float:
+        """Feed one reading of the counter; returns the preemptions since the last reading."""
+        config = self._config
+        if self._updated_at is not None:
+            # Additive increase for the quiet time since the last update.
+            quiet_from = max(self._updated_at, self._pressure_at + config.quiet_s)
+            if now > quiet_from:
+                self.fraction = min(
+                    config.max_fraction, self.fraction + config.increase_per_s * (now - quiet_from)
+                )
+        self._updated_at = now if self._updated_at is None else max(self._updated_at, now)
+
+        seen = 0.0
+        if preemptions_total is not None:
+            if self._last_total is not None and preemptions_total > self._last_total:
+                seen = preemptions_total - self._last_total
+            # A counter that went down means vLLM restarted: a new baseline, not pressure.
+            self._last_total = preemptions_total
+        if seen > 0:
+            self.preemptions_seen += seen
+            self._pressure_at = now
+            if now - self._decreased_at >= config.decrease_cooldown_s:
+                self.fraction = max(config.min_fraction, self.fraction * config.decrease_factor)
+                self._decreased_at = now
+        return seen
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetSnapshot:
+    """The budget as the policy sees it at one moment, in blocks.
+
+    `committed_blocks` is the projected peak of everything in flight: the ledger's
+    reservations, net of credit, plus usage vLLM reports that the ledger does not explain.
+    """
+
+    state: BudgetState
+    known: bool
+    total_blocks: int
+    pool_limit_blocks: int  # the pool at the AIMD ceiling: no request may ever need more
+    admissible_blocks: int
+    committed_blocks: int
+    used_reported_blocks: float
+    external_blocks: int
+    fraction: float
+    age_s: float | None
+    detail: str
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.admissible_blocks - self.committed_blocks)
+
+
+class BudgetSource(Protocol):
+    """Where the wait queue reads the budget: `KvBudget` here, a store shared by several
+    replicas later. Called from the event loop on every queue pump: no I/O, no blocking;
+    `now` is monotonic seconds."""
+
+    def snapshot(self, now: float) -> BudgetSnapshot: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciliation:
+    """What one scrape changed; reported for metrics and tests."""
+
+    preemptions: float
+    external_blocks: int
+    kept_fraction: float
+
+
+class KvBudget:
+    """Combines readings, the ledger and the AIMD limit. One event loop owns it."""
+
+    def __init__(self, config: CapacityConfig, ledger: Ledger) -> None:
+        self._config = config
+        self._ledger = ledger
+        self.limit = AimdLimit(config)
+        self.reading: BackendReading | None = None
+        self._reading_at: float | None = None
+        self._external = 0
+        self._failures = 0
+        self._unreachable_failures = 0
+        self._last_error = ""
+
+    @property
+    def external_blocks(self) -> int:
+        return self._external
+
+    def observe(self, reading: BackendReading, started_at: float, now: float) -> Reconciliation:
+        """Take a good scrape that was started at `started_at` and parsed at `now`."""
+        config = self._config
+        settled_before = started_at - config.settle_s
+        split = self._ledger.held_split(settled_before)
+        used = reading.used_blocks
+        gap = used - split.settled_blocks - split.fresh_blocks
+        slack = split.settled_sequences
+        kept = 1.0
+        external = 0
+        if gap > slack:
+            external = math.ceil(gap - slack - 1e-9)
+        elif used < split.settled_blocks and reading.waiting == 0:
+            kept = max(0.0, used / split.settled_blocks)
+        self._ledger.set_credit(kept, settled_before)
+        self._external = external
+        if self.reading is not None and reading.total_blocks != self.reading.total_blocks:
+            # vLLM came back with another pool: the old baseline of its counters is void.
+            self.limit = AimdLimit(config)
+        preemptions = self.limit.observe(reading.preemptions_total, now)
+        self.reading = reading
+        self._reading_at = started_at
+        self._failures = 0
+        self._unreachable_failures = 0
+        self._last_error = ""
+        return Reconciliation(preemptions, external, kept)
+
+    def observe_failure(self, error: str, *, unreachable: bool, now: float) -> None:
+        """A scrape failed: `unreachable` when no connection could be made at all."""
+        self._failures += 1
+        self._unreachable_failures = self._unreachable_failures + 1 if unreachable else 0
+        self._last_error = error
+        self.limit.observe(None, now)
+
+    def state(self, now: float) -> BudgetState:
+        if self._unreachable_failures >= self._config.down_after_failures:
+            return BudgetState.DOWN
+        if self._reading_at is None:
+            return BudgetState.UNSEEN
+        if now - self._reading_at > self._config.stale_after_s:
+            return BudgetState.STALE
+        return BudgetState.FRESH
+
+    def snapshot(self, now: float) -> BudgetSnapshot:
+        state = self.state(now)
+        reading = self.reading
+        totals = self._ledger.totals()
+        if reading is None:
+            return BudgetSnapshot(
+                state=state,
+                known=False,
+                total_blocks=0,
+                pool_limit_blocks=0,
+                admissible_blocks=0,
+                committed_blocks=totals.committed_blocks,
+                used_reported_blocks=0.0,
+                external_blocks=0,
+                fraction=self.limit.fraction,
+                age_s=None,
+                detail=self._detail(state, None),
+            )
+        assert self._reading_at is not None
+        age = max(0.0, now - self._reading_at)
+        if state is BudgetState.FRESH:
+            known, external = True, self._external
+        elif state is BudgetState.STALE and not self._config.unknown_is_saturated:
+            # Configured to trust the open loop alone: last pool size, no correction.
+            known, external = True, 0
+        else:
+            known, external = False, self._external
+        total = reading.total_blocks
+        return BudgetSnapshot(
+            state=state,
+            known=known,
+            total_blocks=total,
+            pool_limit_blocks=math.floor(total * self._config.max_fraction),
+            admissible_blocks=math.floor(total * self.limit.fraction),
+            committed_blocks=totals.committed_blocks + external,
+            used_reported_blocks=reading.used_blocks,
+            external_blocks=external,
+            fraction=self.limit.fraction,
+            age_s=age,
+            detail=self._detail(state, age),
+        )
+
+    def _detail(self, state: BudgetState, age: float | None) -> str:
+        error = f"; last error: {self._last_error}" if self._last_error else ""
+        if state is BudgetState.FRESH:
+            return f"metrics fresh ({age:.3f} s old)"
+        if state is BudgetState.DOWN:
+            return f"backend unreachable for {self._unreachable_failures} scrapes{error}"
+        if state is BudgetState.UNSEEN:
+            return f"no good metrics scrape yet{error}"
+        return f"metrics stale: last good scrape {age:.3f} s ago{error}"

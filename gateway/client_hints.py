@@ -1,0 +1,126 @@
+"""What a client tells kvgate in headers: its priority and its deadlines (pure).
+
+Headers (names are case-insensitive; the mapping passed in must be, or use lower case):
+
+- `X-Kvgate-Priority: high|normal|low` (default normal).
+- `X-Kvgate-Deadline-Ms`: the whole response must be complete within this many milliseconds
+  of arrival.
+- `X-Kvgate-TTFT-Ms`: the first token must arrive within this many milliseconds.
+- `x-stainless-read-timeout` (seconds, sent by the OpenAI SDKs): used only when neither
+  kvgate header is present. The SDK applies it as an HTTP read timeout, so it bounds the whole
+  answer of a non-streaming request and the first chunk of a streaming one.
+
+`queue_deadline` turns them into the last moment a request may leave the queue usefully:
+each deadline minus the service time the request still needs once admitted (as measured on
+recent requests), and never later than the per-priority queue timeout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.admission import Priority
+
+PRIORITY_HEADER = "x-kvgate-priority"
+DEADLINE_HEADER = "x-kvgate-deadline-ms"
+TTFT_HEADER = "x-kvgate-ttft-ms"
+SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+
+# A deadline beyond a day is a mistake, not a wish; refuse it rather than overflow timers.
+MAX_DEADLINE_MS = 86_400_000.0
+
+
+class HintError(ValueError):
+    """A kvgate header is malformed; `header` names it (the 400's `param`)."""
+
+    def __init__(self, header: str, message: str) -> None:
+        super().__init__(message)
+        self.header = header
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHints:
+    priority: Priority
+    total_s: float | None  # whole response, from arrival
+    first_token_s: float | None  # first token, from arrival
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEstimate:
+    """Seconds a request needs once admitted: to its first token and to its last."""
+
+    first_token_s: float
+    complete_s: float
+
+
+NO_SERVICE_ESTIMATE = ServiceEstimate(0.0, 0.0)
+
+
+def _milliseconds(headers: Mapping[str, str], name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise HintError(name, f"header {name} must be a number of milliseconds, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0 or value > MAX_DEADLINE_MS:
+        raise HintError(name, f"header {name} must lie in (0, {MAX_DEADLINE_MS:.0f}] ms, got {raw!r}")
+    return value / 1000.0
+
+
+def parse_hints(headers: Mapping[str, str], *, streaming: bool) -> ClientHints:
+    raw_priority = headers.get(PRIORITY_HEADER)
+    if raw_priority is None:
+        priority = Priority.NORMAL
+    else:
+        try:
+            priority = Priority(raw_priority.strip().lower())
+        except ValueError:
+            raise HintError(
+                PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be high, normal or low, got {raw_priority!r}"
+            ) from None
+    total_s = _milliseconds(headers, DEADLINE_HEADER)
+    first_token_s = _milliseconds(headers, TTFT_HEADER)
+    if total_s is None and first_token_s is None:
+        sdk_timeout_s = _sdk_read_timeout(headers.get(SDK_READ_TIMEOUT_HEADER))
+        if sdk_timeout_s is not None:
+            if streaming:
+                first_token_s = sdk_timeout_s
+            else:
+                total_s = sdk_timeout_s
+    return ClientHints(priority, total_s, first_token_s)
+
+
+def _sdk_read_timeout(raw: str | None) -> float | None:
+    # The SDK's header is advisory and not ours to police: ignore anything unusable.
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return min(value, MAX_DEADLINE_MS / 1000.0)
+
+
+def queue_deadline(
+    arrived_at: float,
+    hints: ClientHints,
+    queue_timeout_s: float,
+    service: ServiceEstimate,
+    *,
+    margin: float = 1.0,
+) -> float:
+    """The last moment (monotonic seconds) at which leaving the queue can still meet the
+    client's deadlines; `margin` scales the service time netted out (0 disables it)."""
+    deadline = arrived_at + queue_timeout_s
+    if hints.total_s is not None:
+        deadline = min(deadline, arrived_at + hints.total_s - margin * service.complete_s)
+    if hints.first_token_s is not None:
+        deadline = min(deadline, arrived_at + hints.first_token_s - margin * service.first_token_s)
+    return deadline

@@ -1,0 +1,40 @@
+"""How a request ended, once and for all (pure); the label of `kvgate_requests_total`.
+
+Each request gets exactly one outcome. Admission is not an outcome but a step on the way (an
+admitted request ends completed, client_gone or upstream_error): it is counted on its own in
+`kvgate_admitted_total`, so that admitted = completed + client_gone + upstream_error +
+rejected_by_backend once nothing is in flight.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from gateway.admission import Decision, Reason
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    SHED_QUEUE_FULL = "shed_queue_full"
+    SHED_DEADLINE = "shed_deadline"  # predicted to miss its deadline: shed before it expired
+    SHED_TIMEOUT = "shed_timeout"  # still queued when its deadline came
+    SHED_UNAVAILABLE = "shed_unavailable"  # 503: no budget known, backend down, not ready
+    REJECTED_INVALID = "rejected_invalid"  # 4xx from kvgate's own validation
+    REJECTED_BY_BACKEND = "rejected_by_backend"  # admitted, but the backend answered 4xx
+    CLIENT_GONE = "client_gone"
+    UPSTREAM_ERROR = "upstream_error"
+
+
+_SHED_OUTCOMES = {
+    Reason.QUEUE_FULL: Outcome.SHED_QUEUE_FULL,
+    Reason.DEADLINE_UNREACHABLE: Outcome.SHED_DEADLINE,
+    Reason.DEADLINE_EXPIRED: Outcome.SHED_TIMEOUT,
+    Reason.BUDGET_UNKNOWN: Outcome.SHED_UNAVAILABLE,
+    Reason.BACKEND_DOWN: Outcome.SHED_UNAVAILABLE,
+    Reason.EXCEEDS_POOL: Outcome.REJECTED_INVALID,
+}
+
+
+def outcome_of_refusal(decision: Decision) -> Outcome:
+    """The outcome of a request the policy shed or rejected."""
+    return _SHED_OUTCOMES.get(decision.reason, Outcome.SHED_UNAVAILABLE)

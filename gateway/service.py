@@ -1,0 +1,666 @@
+"""One backend's admission machinery and the path of a request through it.
+
+`BackendGateway` wires the parts together: the ledger (open loop), the budget with its poller
+(closed loop), the output-length model, the policy and its wait queue, the token counter and
+the forwarder. The HTTP layer calls three steps per generation request:
+
+1. `prepare`: validate the body and headers, count prompt tokens in the thread pool, build the
+   request's `Demand` and its `Ask` (blocks, priority, queue deadline);
+2. `admit`: enter the wait queue and wait (watching for the client leaving) until admitted,
+   shed or rejected; admission books the ledger synchronously;
+3. `relay`: the ASGI response that forwards it; its `finally` completes the reservation.
+
+Every reservation is completed exactly once (`Reservation.finish`), whatever the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.types import Receive
+
+from estimator.demand import BlockCost, Demand, demand_of, output_cap
+from estimator.tokens import PromptCount, RequestBodyError, Route, TokenCounter
+from gateway.admission import (
+    AdmissionPolicy,
+    Ask,
+    Decision,
+    DecisionKind,
+    PolicyConfig,
+    Priority,
+    Reason,
+    RetryAdvice,
+)
+from gateway.backend import (
+    BackendInfo,
+    DiscoveryError,
+    fetch_models,
+    load_token_counter,
+    tokenizer_candidates,
+)
+from gateway.budget import MetricsPoller
+from gateway.capacity import BudgetSnapshot, BudgetState, CapacityConfig, KvBudget, Reconciliation
+from gateway.client_hints import HintError, ServiceEstimate, parse_hints, queue_deadline
+from gateway.errors import (
+    ContextTooLongError,
+    ExceedsKvPoolError,
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ShedError,
+    UnavailableError,
+)
+from gateway.ledger import InMemoryLedger, Ledger
+from gateway.metrics import GatewayMetrics, GaugeReadings
+from gateway.outcomes import Outcome, outcome_of_refusal
+from gateway.output_model import OutputKey, OutputLengthModel, OutputPrediction
+from gateway.proxy import RelayResponse, RelayResult, RelayTimeouts, upstream_headers
+from gateway.rates import BusyClock, DecayingRate, Ewma
+from gateway.settings import Settings
+from gateway.waitqueue import QueueEntry, WaitQueue
+
+log = logging.getLogger(__name__)
+
+# How often /v1/models is read again once known (a restarted vLLM may serve another limit).
+DISCOVERY_REFRESH_S = 30.0
+# Smoothing of the service-time estimates netted out of client deadlines.
+SERVICE_TIME_EWMA_ALPHA = 0.1
+
+
+class ClientGoneError(Exception):
+    """The client left while its request was queued."""
+
+
+def capacity_config(settings: Settings) -> CapacityConfig:
+    return CapacityConfig(
+        stale_after_s=settings.metrics_stale_after_s,
+        settle_s=settings.settle_s,
+        unknown_is_saturated=settings.unknown_budget == "saturated",
+        down_after_failures=settings.backend_down_after_failures,
+        min_fraction=settings.budget_min_fraction,
+        max_fraction=settings.budget_max_fraction,
+        initial_fraction=settings.budget_initial_fraction,
+        decrease_factor=settings.aimd_decrease_factor,
+        increase_per_s=settings.aimd_increase_per_s,
+        quiet_s=settings.aimd_quiet_s,
+        decrease_cooldown_s=settings.aimd_decrease_cooldown_s,
+    )
+
+
+def policy_config(settings: Settings) -> PolicyConfig:
+    return PolicyConfig(
+        max_queued=settings.queue_max(),
+        max_bypass=settings.hol_max_bypass,
+        early_shed=settings.early_shed,
+        retry=RetryAdvice(settings.retry_after_s, settings.retry_after_min_s, settings.retry_after_max_s),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request, ready for admission."""
+
+    route: Route
+    body: Mapping[str, Any]
+    raw_body: bytes
+    model: str | None
+    streaming: bool
+    prompt: PromptCount
+    demand: Demand
+    prediction: OutputPrediction
+    output_key: OutputKey
+    ask: Ask
+
+
+class Reservation:
+    """An admitted request's claim on the ledger; also the relay's observer."""
+
+    def __init__(self, gateway: BackendGateway, key: int, prepared: Prepared) -> None:
+        self._gateway = gateway
+        self.key = key
+        self.prepared = prepared
+        self.queued_at: float | None = None
+        self.admitted_at: float | None = None
+        self.first_byte_at: float | None = None
+        self.finished = False
+
+    @property
+    def queue_seconds(self) -> float:
+        """Time spent in the wait queue (0 until admitted)."""
+        if self.admitted_at is None or self.queued_at is None:
+            return 0.0
+        return max(0.0, self.admitted_at - self.queued_at)
+
+    # Called by the wait queue, synchronously, at the moment of admission.
+    def open(self, now: float) -> None:
+        self._gateway.busy_time(now)
+        self._gateway.ledger.open(self.key, self.prepared.demand, now)
+        self.admitted_at = now
+        self._gateway._on_admitted(self)
+
+    def on_first_byte(self, now: float) -> None:
+        self.first_byte_at = now
+        self._gateway._on_first_byte(self, now)
+
+    def on_tokens(self, choice: int, tokens: int) -> None:
+        self._gateway.ledger.grow(self.key, choice, tokens)
+
+    def on_finish(self, outcome: Outcome, result: RelayResult, now: float) -> None:
+        self.finish(outcome, result, now)
+
+    def finish(self, outcome: Outcome, result: RelayResult | None, now: float) -> bool:
+        """Complete the reservation; True only for the call that did it."""
+        if self.finished:
+            return False
+        self.finished = True
+        self._gateway._on_finished(self, outcome, result, now)
+        return True
+
+
+class BackendGateway:
+    """Admission control in front of one backend. Owned by the app's lifespan."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float],
+        metrics: GatewayMetrics,
+        executor: ThreadPoolExecutor,
+        token_counter: TokenCounter | None = None,
+        ledger: Ledger | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.backend_name
+        self.clock = clock
+        self.client = client
+        self.metrics = metrics
+        self._executor = executor
+        self.counter = token_counter
+        self.counter_source = "injected" if token_counter is not None else None
+        self.ledger: Ledger = ledger if ledger is not None else InMemoryLedger()
+        self.budget = KvBudget(capacity_config(settings), self.ledger)
+        self.output_model = OutputLengthModel(
+            quantile=settings.output_quantile,
+            min_samples=settings.output_min_samples,
+            window=settings.output_window_samples,
+        )
+        # Blocks freed per busy second (see BusyClock): what the queue drains at under load.
+        self.drain = DecayingRate(settings.drain_rate_horizon_s)
+        self._busy = BusyClock(clock())
+        self.first_token_after_admit = Ewma(SERVICE_TIME_EWMA_ALPHA)
+        self.seconds_per_output_token = Ewma(SERVICE_TIME_EWMA_ALPHA)
+        self.policy = AdmissionPolicy(policy_config(settings))
+        self.queue = WaitQueue(
+            policy=self.policy, budget=self.budget, drain_rate=self.drain_rate, clock=clock
+        )
+        self.info: BackendInfo | None = None
+        self._backend_headers: dict[str, str] = {}
+        if settings.backend_api_key is not None:
+            self._backend_headers["authorization"] = f"Bearer {settings.backend_api_key.get_secret_value()}"
+        self.poller = MetricsPoller(
+            client=client,
+            url=f"{settings.backend_url}/metrics",
+            budget=self.budget,
+            clock=clock,
+            interval_s=settings.metrics_poll_interval_s,
+            timeout_s=settings.metrics_timeout_s,
+            on_update=self._on_scrape,
+            headers=self._backend_headers,
+        )
+        self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
+        self._keys = itertools.count(1)
+        self._pending_counts = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.inflight: dict[int, Reservation] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._discover_forever(), name=f"kvgate-discovery-{self.name}"),
+            asyncio.create_task(self.poller.run(), name=f"kvgate-metrics-{self.name}"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self.queue.close(Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, self.settings.retry_after_s))
+
+    async def discover(self) -> BackendInfo:
+        """Read /v1/models once; load the tokenizer the first time."""
+        info = await fetch_models(
+            self.client,
+            self.settings.backend_url,
+            timeout_s=self.settings.discovery_timeout_s,
+            headers=self._backend_headers,
+        )
+        self.info = info
+        if self.counter is None:
+            candidates = tokenizer_candidates(self.settings.tokenizer, self.settings.model, info)
+            served = info.find(self.settings.model) if self.settings.model else None
+            limit = (served or info.default).max_model_len
+            counter, source = await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: load_token_counter(candidates, max_model_len=limit)
+            )
+            if self.counter is None:
+                self.counter, self.counter_source = counter, source
+                log.info("backend %s: tokenizer from %s", self.name, source)
+        return info
+
+    async def _discover_forever(self) -> None:
+        while True:
+            try:
+                await self.discover()
+            except DiscoveryError as exc:
+                log.warning("backend %s: %s", self.name, exc)
+                await asyncio.sleep(self.settings.discovery_retry_s)
+                continue
+            await asyncio.sleep(DISCOVERY_REFRESH_S)
+
+    def _on_scrape(self, reconciliation: Reconciliation | None) -> None:
+        if reconciliation is None:
+            self.metrics.scrape_failures.labels(self.name).inc()
+        elif reconciliation.preemptions > 0:
+            self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
+        self.queue.pump()
+
+    # -- state ----------------------------------------------------------------------------
+
+    def busy_time(self, now: float) -> float:
+        """Advance the busy clock to `now`; call before every change of the in-flight set."""
+        return self._busy.advance(now, self.ledger.totals().entries > 0)
+
+    def drain_rate(self, now: float) -> float | None:
+        """Blocks per second the queue can expect to see freed, or None when unknown.
+
+        Two estimates, the larger wins (early shedding must only act when sure): the rate
+        observed over recent busy time, which lags a change of load, and a projection of what
+        is in flight now: its reserved blocks over the mean time its requests still need
+        (expected output tokens still to come times the measured seconds per token).
+        """
+        observed = self.drain.rate(self.busy_time(now))
+        projected = None
+        per_token_s = self.seconds_per_output_token.value
+        if per_token_s:
+            blocks = 0
+            remaining_s = 0.0
+            count = 0
+            for entry in self.ledger.entries():
+                blocks += entry.reserved_blocks
+                to_go = max(1, entry.demand.expected_output_tokens - entry.longest_output)
+                remaining_s += to_go * per_token_s
+                count += 1
+            if count and remaining_s > 0:
+                projected = blocks / (remaining_s / count)
+        candidates = [rate for rate in (observed, projected) if rate is not None]
+        return max(candidates) if candidates else None
+
+    def snapshot(self) -> BudgetSnapshot:
+        return self.budget.snapshot(self.clock())
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.info is None:
+            return False, "backend models not discovered yet"
+        if self.counter is None:
+            return False, "tokenizer not loaded yet"
+        snapshot = self.snapshot()
+        if not snapshot.known:
+            return False, snapshot.detail
+        return True, snapshot.detail
+
+    def service_estimate(self, reserve_output_tokens: int) -> ServiceEstimate:
+        first = self.first_token_after_admit.value or 0.0
+        per_token = self.seconds_per_output_token.value
+        complete = first + (per_token * reserve_output_tokens if per_token is not None else 0.0)
+        return ServiceEstimate(first, complete)
+
+    def gauge_readings(self) -> GaugeReadings:
+        snapshot = self.snapshot()
+        totals = self.ledger.totals()
+        return GaugeReadings(
+            backend=self.name,
+            budget=snapshot,
+            queue_depth=self.queue.depth(),
+            inflight_requests=totals.entries,
+            reserved_blocks=totals.reserved_blocks,
+            held_blocks=totals.held_blocks,
+            backend_up=snapshot.state is BudgetState.FRESH,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """Everything /admin/state shows for this backend."""
+        now = self.clock()
+        snapshot = self.budget.snapshot(now)
+        totals = self.ledger.totals()
+        reading = self.budget.reading
+        return {
+            "name": self.name,
+            "url": self.settings.backend_url,
+            "ready": self.readiness()[0],
+            "budget": {
+                "state": snapshot.state.value,
+                "known": snapshot.known,
+                "detail": snapshot.detail,
+                "total_blocks": snapshot.total_blocks,
+                "pool_limit_blocks": snapshot.pool_limit_blocks,
+                "admissible_blocks": snapshot.admissible_blocks,
+                "committed_blocks": snapshot.committed_blocks,
+                "free_blocks": snapshot.free_blocks,
+                "used_reported_blocks": round(snapshot.used_reported_blocks, 3),
+                "external_blocks": snapshot.external_blocks,
+                "aimd_fraction": round(snapshot.fraction, 4),
+                "preemptions_seen": self.budget.limit.preemptions_seen,
+                "age_s": None if snapshot.age_s is None else round(snapshot.age_s, 3),
+                "block_size": reading.block_size if reading else None,
+                "running": reading.running if reading else None,
+                "waiting": reading.waiting if reading else None,
+            },
+            "ledger": {
+                "entries": totals.entries,
+                "reserved_blocks": totals.reserved_blocks,
+                "held_blocks": totals.held_blocks,
+                "credit_blocks": totals.credit_blocks,
+                "requests": [
+                    {
+                        "key": entry.key,
+                        "age_s": round(now - entry.admitted_at, 3),
+                        "prompt_tokens": list(entry.demand.prompt_tokens),
+                        "expected_output_tokens": entry.demand.expected_output_tokens,
+                        "output_tokens": list(entry.output_tokens),
+                        "held_blocks": entry.held_blocks,
+                        "reserved_blocks": entry.reserved_blocks,
+                        "credit_blocks": entry.credit_blocks,
+                    }
+                    for entry in itertools.islice(self.ledger.entries(), 100)
+                ],
+            },
+            "queue": {
+                "depth": {p.value: n for p, n in self.queue.depth().items()},
+                "queued_blocks": self.queue.queued_blocks(),
+                "drain_rate_blocks_per_s": _round(self.drain_rate(now)),
+                "stats": {
+                    "admitted": self.queue.stats.admitted,
+                    "shed": self.queue.stats.shed,
+                    "left": self.queue.stats.left,
+                },
+            },
+            "service_time": {
+                "first_token_after_admit_s": _round(self.first_token_after_admit.value),
+                "seconds_per_output_token": _round(self.seconds_per_output_token.value),
+            },
+            "models": [
+                {"id": m.id, "root": m.root, "max_model_len": m.max_model_len}
+                for m in (self.info.models if self.info else ())
+            ],
+            "tokenizer": self.counter_source,
+            "output_model": {
+                "quantile": self.output_model.quantile,
+                "min_samples": self.output_model.min_samples,
+                "keys": self.output_model.describe(),
+            },
+        }
+
+    # -- the request path -----------------------------------------------------------------
+
+    async def prepare(
+        self, route: Route, body: Any, raw_body: bytes, headers: Mapping[str, str], arrived_at: float
+    ) -> Prepared:
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        info, counter = self.info, self.counter
+        if info is None or counter is None:
+            raise UnavailableError(
+                "the backend has not been reached yet", retry_after_s=self.settings.retry_after_s
+            )
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidRequestError("'model' must be a string", param="model")
+        served = info.find(model) if model is not None else info.default
+        if served is None:
+            raise ModelNotFoundError(
+                f"the model '{model}' does not exist; this backend serves: {', '.join(info.names())}",
+                param="model",
+            )
+        streaming = body.get("stream", False)
+        if streaming is None:
+            streaming = False
+        if not isinstance(streaming, bool):
+            raise InvalidRequestError("'stream' must be a boolean", param="stream")
+        try:
+            hints = parse_hints(headers, streaming=streaming)
+        except HintError as exc:
+            raise InvalidRequestError(exc.message, param=exc.header) from exc
+
+        prompt = await self._count(counter, route, body)
+        reading = self.budget.reading
+        if reading is None:
+            raise UnavailableError(
+                "the backend's KV-cache budget is not known yet", retry_after_s=self.settings.retry_after_s
+            )
+        max_model_len = served.max_model_len or 1 << 30
+        try:
+            cap = output_cap(route, body, prompt.longest, max_model_len)
+            key = OutputKey(served.id, route.value)
+            prediction = self.output_model.predict(key, cap)
+            demand = demand_of(
+                route,
+                body,
+                prompt,
+                cost=BlockCost(reading.block_size),
+                max_model_len=max_model_len,
+                expected_output_tokens=prediction.tokens,
+            )
+        except RequestBodyError as exc:
+            if "context" in exc.message:
+                raise ContextTooLongError(exc.message, param=exc.param) from exc
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+
+        timeout_s = self.settings.queue_timeout_s()[hints.priority]
+        deadline_at = queue_deadline(
+            arrived_at,
+            hints,
+            timeout_s,
+            self.service_estimate(demand.expected_output_tokens),
+            margin=self.settings.service_time_margin,
+        )
+        ask = Ask(
+            reserve_blocks=demand.reserved_blocks,
+            max_blocks=demand.max_blocks,
+            priority=hints.priority,
+            arrived_at=arrived_at,
+            deadline_at=deadline_at,
+        )
+        return Prepared(route, body, raw_body, served.id, streaming, prompt, demand, prediction, key, ask)
+
+    async def _count(self, counter: TokenCounter, route: Route, body: Mapping[str, Any]) -> PromptCount:
+        if self._pending_counts >= self.settings.tokenizer_max_pending:
+            raise UnavailableError(
+                "the gateway's tokenizer is saturated", retry_after_s=self.settings.retry_after_s
+            )
+        self._pending_counts += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, counter.count, route, body
+            )
+        except RequestBodyError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+        finally:
+            self._pending_counts -= 1
+
+    async def admit(self, prepared: Prepared, receive: Receive | None) -> Reservation:
+        """Wait for admission. Raises a GatewayError when shed or rejected, ClientGone when
+        the client left while queued. The returned reservation is open in the ledger."""
+        key = next(self._keys)
+        reservation = Reservation(self, key, prepared)
+        reservation.queued_at = self.clock()
+        entry = self.queue.enter(key, prepared.ask, reservation.open)
+        try:
+            if not entry.done:
+                await self._wait(entry, receive)
+        except BaseException:
+            # Cancelled, or the client left: withdraw, or complete what was just admitted.
+            if not self.queue.leave(entry):
+                reservation.finish(Outcome.CLIENT_GONE, None, self.clock())
+            else:
+                self._record_queue_exit(prepared, entry, Outcome.CLIENT_GONE)
+            raise
+        decision = entry.future.result()
+        if decision.kind is DecisionKind.ADMIT:
+            return reservation
+        outcome = outcome_of_refusal(decision)
+        self._record_queue_exit(prepared, entry, outcome)
+        raise self._refusal(decision, prepared)
+
+    async def _wait(self, entry: QueueEntry, receive: Receive | None) -> None:
+        if receive is None:
+            await asyncio.shield(entry.future)
+            return
+        watcher: asyncio.Future[None] = asyncio.ensure_future(_wait_for_disconnect(receive))
+        waiting: set[asyncio.Future[Any]] = {entry.future, watcher}
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not entry.future.done():
+            raise ClientGoneError()
+
+    def _record_queue_exit(self, prepared: Prepared, entry: QueueEntry, outcome: Outcome) -> None:
+        waited = (entry.resolved_at or self.clock()) - entry.entered_at
+        self.metrics.queue_wait.labels(self.name, prepared.ask.priority.value).observe(max(0.0, waited))
+        self.metrics.outcome(self.name, outcome)
+
+    def _refusal(self, decision: Decision, prepared: Prepared) -> GatewayError:
+        retry_s = decision.retry_after_s or self.settings.retry_after_s
+        reason = decision.reason
+        if reason is Reason.EXCEEDS_POOL:
+            pool = self.budget.snapshot(self.clock()).pool_limit_blocks
+            return ExceedsKvPoolError(
+                f"this request may need {prepared.ask.max_blocks} KV-cache blocks but the backend's "
+                f"whole pool holds {pool}; lower max_tokens, n or the prompt",
+                param="max_tokens",
+            )
+        if reason in (Reason.BUDGET_UNKNOWN, Reason.BACKEND_DOWN):
+            return UnavailableError(
+                f"no KV-cache budget is known for the backend ({self.snapshot().detail})",
+                retry_after_s=retry_s,
+                code=reason.value,
+            )
+        messages = {
+            Reason.QUEUE_FULL: f"the {prepared.ask.priority.value}-priority queue is full",
+            Reason.DEADLINE_UNREACHABLE: "the request would not be admitted before its deadline",
+            Reason.DEADLINE_EXPIRED: "the request's deadline passed while it was queued",
+        }
+        return ShedError(
+            f"{messages.get(reason, 'the backend is saturated')}; retry after {retry_s:.2f} s",
+            retry_after_s=retry_s,
+            code=reason.value,
+        )
+
+    def relay(
+        self, reservation: Reservation, request_headers: list[tuple[str, str]], path: str
+    ) -> RelayResponse:
+        prepared = reservation.prepared
+        api_key = self.settings.backend_api_key
+        request = self.client.build_request(
+            "POST",
+            f"{self.settings.backend_url}{path}",
+            content=prepared.raw_body,
+            headers=upstream_headers(
+                request_headers, api_key=api_key.get_secret_value() if api_key else None
+            ),
+        )
+        queued_s = reservation.queue_seconds
+        return RelayResponse(
+            client=self.client,
+            request=request,
+            observer=reservation,
+            timeouts=self._timeouts,
+            extra_headers={
+                "x-kvgate-queue-ms": str(round(queued_s * 1000)),
+                "x-kvgate-blocks": str(prepared.demand.reserved_blocks),
+            },
+            clock=self.clock,
+        )
+
+    # -- reservation events -----------------------------------------------------------------
+
+    def _on_admitted(self, reservation: Reservation) -> None:
+        prepared = reservation.prepared
+        assert reservation.admitted_at is not None
+        self.inflight[reservation.key] = reservation
+        self.metrics.admitted.labels(self.name, prepared.ask.priority.value).inc()
+        self.metrics.request_blocks.labels(self.name).observe(prepared.demand.reserved_blocks)
+        waited = reservation.queue_seconds
+        self.metrics.queue_wait.labels(self.name, prepared.ask.priority.value).observe(max(0.0, waited))
+
+    def _on_first_byte(self, reservation: Reservation, now: float) -> None:
+        arrived = reservation.prepared.ask.arrived_at
+        self.metrics.first_byte.labels(self.name).observe(max(0.0, now - arrived))
+
+    def _on_finished(
+        self, reservation: Reservation, outcome: Outcome, result: RelayResult | None, now: float
+    ) -> None:
+        self.inflight.pop(reservation.key, None)
+        busy_s = self.busy_time(now)
+        closed = self.ledger.close(reservation.key)
+        if closed is not None:
+            self.drain.add(closed.reserved_blocks, busy_s)
+        self.metrics.outcome(self.name, outcome)
+        if outcome is Outcome.COMPLETED and result is not None:
+            self._learn(reservation, result, closed.output_tokens if closed else (), now)
+        self.queue.pump()
+
+    def _learn(
+        self, reservation: Reservation, result: RelayResult, streamed: tuple[int, ...], now: float
+    ) -> None:
+        prepared = reservation.prepared
+        sequences = prepared.demand.sequences
+        if result.usage is not None and result.usage.completion_tokens is not None:
+            per_sequence = [round(result.usage.completion_tokens / sequences)] * sequences
+        elif result.streamed:
+            per_sequence = [result.tokens_by_choice.get(i, 0) for i in range(sequences)]
+        else:
+            return
+        expected = prepared.demand.expected_output_tokens
+        for tokens in per_sequence:
+            self.output_model.observe(prepared.output_key, tokens)
+            self.metrics.prediction_error.labels(self.name).observe(tokens - expected)
+            if tokens > expected:
+                self.metrics.prediction_underruns.labels(self.name).inc()
+        longest = max(per_sequence, default=0)
+        if reservation.admitted_at is not None and longest > 0:
+            if result.streamed and result.first_byte_at is not None:
+                self.first_token_after_admit.add(result.first_byte_at - reservation.admitted_at)
+                if longest > 1:
+                    self.seconds_per_output_token.add((now - result.first_byte_at) / (longest - 1))
+            elif not result.streamed:
+                self.seconds_per_output_token.add((now - reservation.admitted_at) / longest)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 4)
+
+
+__all__ = ["BackendGateway", "ClientGoneError", "Prepared", "Priority", "Reservation"]

@@ -1,0 +1,231 @@
+"""The one Settings object of `kvgate serve` (pydantic-settings, environment prefix KVGATE_).
+
+Sources, strongest first: command-line flags, `KVGATE_*` environment variables, the `--config`
+file (TOML or JSON, keys are the field names), then the defaults below. Everything is validated
+at once at startup (`load_settings`); nothing is read at import time. Defaults are named
+constants with their unit in the name, so code and docs can refer to them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+from gateway.admission import Priority
+
+ENV_PREFIX = "KVGATE_"
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_BACKEND_NAME = "default"
+
+# Budget: how often and how patiently vLLM's /metrics is read.
+DEFAULT_METRICS_POLL_INTERVAL_S = 0.2
+DEFAULT_METRICS_TIMEOUT_S = 1.0
+DEFAULT_METRICS_STALE_AFTER_S = 1.0
+DEFAULT_BACKEND_DOWN_AFTER_FAILURES = 2
+# Requests younger than this at a scrape may not be allocated inside vLLM yet: no credit.
+DEFAULT_SETTLE_S = 0.5
+
+# AIMD on the admissible share of the KV pool.
+DEFAULT_BUDGET_MIN_FRACTION = 0.5
+DEFAULT_BUDGET_MAX_FRACTION = 1.0
+DEFAULT_BUDGET_INITIAL_FRACTION = 1.0
+DEFAULT_AIMD_DECREASE_FACTOR = 0.8
+DEFAULT_AIMD_INCREASE_PER_S = 0.02
+DEFAULT_AIMD_QUIET_S = 5.0
+DEFAULT_AIMD_DECREASE_COOLDOWN_S = 2.0
+
+# Output-length model.
+DEFAULT_OUTPUT_QUANTILE = 0.9
+DEFAULT_OUTPUT_MIN_SAMPLES = 20
+DEFAULT_OUTPUT_WINDOW_SAMPLES = 1000
+
+# Queue.
+DEFAULT_QUEUE_MAX_REQUESTS = 256
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+DEFAULT_HOL_MAX_BYPASS = 8
+DEFAULT_DRAIN_RATE_HORIZON_S = 10.0
+DEFAULT_RETRY_AFTER_S = 1.0
+DEFAULT_RETRY_AFTER_MIN_S = 0.25
+# The OpenAI SDK ignores retry hints above 60 s and falls back on its own backoff.
+DEFAULT_RETRY_AFTER_MAX_S = 60.0
+DEFAULT_SERVICE_TIME_MARGIN = 1.0
+
+# Forwarding.
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 300.0
+DEFAULT_BETWEEN_CHUNK_TIMEOUT_S = 60.0
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+DEFAULT_DISCOVERY_TIMEOUT_S = 5.0
+DEFAULT_DISCOVERY_RETRY_S = 1.0
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+# Tokenization, off the event loop.
+DEFAULT_TOKENIZER_THREADS = 2
+DEFAULT_TOKENIZER_MAX_PENDING = 512
+
+
+class Settings(BaseSettings):
+    """Everything `kvgate serve` can be told. Build it with `load_settings` (or directly)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True
+    )
+
+    # Where and what to serve.
+    backend_url: str = Field(description="Base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
+    backend_name: str = Field(DEFAULT_BACKEND_NAME, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: str | None = Field(None, description="Served model name, or a model folder / id for the tokenizer")
+    tokenizer: str | None = Field(None, description="Tokenizer folder or id in the local HF cache")
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    admin_token: SecretStr | None = None
+    backend_api_key: SecretStr | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Budget (measure).
+    metrics_poll_interval_s: float = Field(DEFAULT_METRICS_POLL_INTERVAL_S, gt=0, le=60)
+    metrics_timeout_s: float = Field(DEFAULT_METRICS_TIMEOUT_S, gt=0, le=60)
+    metrics_stale_after_s: float = Field(DEFAULT_METRICS_STALE_AFTER_S, gt=0)
+    unknown_budget: Literal["saturated", "ledger"] = "saturated"
+    backend_down_after_failures: int = Field(DEFAULT_BACKEND_DOWN_AFTER_FAILURES, ge=1)
+    settle_s: float = Field(DEFAULT_SETTLE_S, ge=0)
+    budget_min_fraction: float = Field(DEFAULT_BUDGET_MIN_FRACTION, gt=0, le=1)
+    budget_max_fraction: float = Field(DEFAULT_BUDGET_MAX_FRACTION, gt=0, le=1)
+    budget_initial_fraction: float = Field(DEFAULT_BUDGET_INITIAL_FRACTION, gt=0, le=1)
+    aimd_decrease_factor: float = Field(DEFAULT_AIMD_DECREASE_FACTOR, gt=0, lt=1)
+    aimd_increase_per_s: float = Field(DEFAULT_AIMD_INCREASE_PER_S, ge=0)
+    aimd_quiet_s: float = Field(DEFAULT_AIMD_QUIET_S, ge=0)
+    aimd_decrease_cooldown_s: float = Field(DEFAULT_AIMD_DECREASE_COOLDOWN_S, ge=0)
+
+    # Output length (estimate).
+    output_quantile: float = Field(DEFAULT_OUTPUT_QUANTILE, gt=0, le=1)
+    output_min_samples: int = Field(DEFAULT_OUTPUT_MIN_SAMPLES, ge=1)
+    output_window_samples: int = Field(DEFAULT_OUTPUT_WINDOW_SAMPLES, ge=1)
+
+    # Queue (decide).
+    queue_max_high: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
+    queue_max_normal: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
+    queue_max_low: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
+    queue_timeout_high_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
+    queue_timeout_normal_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
+    queue_timeout_low_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
+    hol_max_bypass: int = Field(DEFAULT_HOL_MAX_BYPASS, ge=0)
+    early_shed: bool = True
+    drain_rate_horizon_s: float = Field(DEFAULT_DRAIN_RATE_HORIZON_S, gt=0)
+    retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0)
+    retry_after_min_s: float = Field(DEFAULT_RETRY_AFTER_MIN_S, gt=0)
+    retry_after_max_s: float = Field(DEFAULT_RETRY_AFTER_MAX_S, gt=0)
+    service_time_margin: float = Field(DEFAULT_SERVICE_TIME_MARGIN, ge=0, le=2)
+
+    # Forwarding.
+    connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0)
+    first_byte_timeout_s: float = Field(DEFAULT_FIRST_BYTE_TIMEOUT_S, gt=0)
+    between_chunk_timeout_s: float = Field(DEFAULT_BETWEEN_CHUNK_TIMEOUT_S, gt=0)
+    write_timeout_s: float = Field(DEFAULT_WRITE_TIMEOUT_S, gt=0)
+    discovery_timeout_s: float = Field(DEFAULT_DISCOVERY_TIMEOUT_S, gt=0)
+    discovery_retry_s: float = Field(DEFAULT_DISCOVERY_RETRY_S, gt=0)
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+
+    # Tokenization.
+    tokenizer_threads: int = Field(DEFAULT_TOKENIZER_THREADS, ge=1, le=64)
+    tokenizer_max_pending: int = Field(DEFAULT_TOKENIZER_MAX_PENDING, ge=1)
+
+    @field_validator("backend_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in {"http", "https"} or not parts.netloc:
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
+        if parts.query or parts.fragment:
+            raise ValueError("must not carry a query or fragment")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        problems: list[str] = []
+        if not self.budget_min_fraction <= self.budget_initial_fraction <= self.budget_max_fraction:
+            problems.append(
+                "need budget_min_fraction <= budget_initial_fraction <= budget_max_fraction, got "
+                f"{self.budget_min_fraction} / {self.budget_initial_fraction} / {self.budget_max_fraction}"
+            )
+        if self.output_window_samples < self.output_min_samples:
+            problems.append("output_window_samples must be >= output_min_samples")
+        if not self.retry_after_min_s <= self.retry_after_s <= self.retry_after_max_s:
+            problems.append("need retry_after_min_s <= retry_after_s <= retry_after_max_s")
+        if self.metrics_stale_after_s < self.metrics_poll_interval_s:
+            problems.append("metrics_stale_after_s must be at least metrics_poll_interval_s")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def queue_max(self) -> dict[Priority, int]:
+        return {
+            Priority.HIGH: self.queue_max_high,
+            Priority.NORMAL: self.queue_max_normal,
+            Priority.LOW: self.queue_max_low,
+        }
+
+    def queue_timeout_s(self) -> dict[Priority, float]:
+        return {
+            Priority.HIGH: self.queue_timeout_high_s,
+            Priority.NORMAL: self.queue_timeout_normal_s,
+            Priority.LOW: self.queue_timeout_low_s,
+        }
+
+    def public_view(self) -> dict[str, Any]:
+        """The settings as JSON-safe values, secrets masked (for /admin/state and logs)."""
+        data = self.model_dump(mode="json")
+        for secret in ("admin_token", "backend_api_key"):
+            if data.get(secret) is not None:
+                data[secret] = "***"
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
+
+
+class ConfigFileError(ValueError):
+    """The --config file cannot be read or is not a TOML/JSON table."""
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a TOML (.toml) or JSON (anything else) file whose top level is a table.
+
+    A TOML file may put the keys at the top level or under a `[serve]` table.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    try:
+        if path.suffix.lower() == ".toml":
+            data: Any = tomllib.loads(raw.decode("utf-8"))
+            if isinstance(data.get("serve"), dict) and len(data) == 1:
+                data = data["serve"]
+        else:
+            data = json.loads(raw)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"config file {path} is not valid {path.suffix or 'JSON'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"config file {path} must hold a table of settings")
+    return data
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, *, config_file: Path | None = None) -> Settings:
+    """Build Settings from flags (`overrides`, None values ignored), the environment and the
+    config file, in that order of strength. Raises pydantic.ValidationError listing every
+    problem at once, or ConfigFileError."""
+    file_values = read_config_file(config_file) if config_file is not None else {}
+    # Read the environment the way Settings itself does, so that it outranks the file.
+    env_values = EnvSettingsSource(Settings, env_prefix=ENV_PREFIX, case_sensitive=False)()
+    flags = {key: value for key, value in (overrides or {}).items() if value is not None}
+    return Settings(**{**file_values, **env_values, **flags})

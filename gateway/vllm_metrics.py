@@ -1,0 +1,219 @@
+"""vLLM's Prometheus metrics, read into one `BackendReading` (pure).
+
+This module owns the table of vLLM metric names kvgate depends on, including the names older
+vLLM releases used for the same quantity, and the arithmetic that turns one scrape into a
+block budget. It consumes samples that are already parsed (`MetricSample`); the adapter that
+runs a real Prometheus text parser lives in `gateway.budget`, so this core stays free of I/O
+and of foreign libraries.
+
+Data-parallel vLLM reports one series per engine (label `engine`): the pool is the sum of the
+engines' pools. That sum is an approximation (each request lands on one engine, so the pool is
+fragmented), good enough for a budget that the closed loop corrects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class VllmMetric(StrEnum):
+    """The quantities kvgate reads, under their current vLLM names."""
+
+    KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+    RUNNING = "vllm:num_requests_running"
+    WAITING = "vllm:num_requests_waiting"
+    PREEMPTIONS = "vllm:num_preemptions_total"
+    CACHE_CONFIG = "vllm:cache_config_info"
+
+
+# Every name a quantity has been exported under, newest first. vLLM's V0 engine called the KV
+# usage gauge `gpu_cache_usage_perc` (a fraction in [0, 1], like its successor); counters are
+# matched with and without the `_total` suffix that Prometheus clients append.
+METRIC_NAMES: Mapping[VllmMetric, tuple[str, ...]] = {
+    VllmMetric.KV_CACHE_USAGE: ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    VllmMetric.RUNNING: ("vllm:num_requests_running",),
+    VllmMetric.WAITING: ("vllm:num_requests_waiting",),
+    VllmMetric.PREEMPTIONS: ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    VllmMetric.CACHE_CONFIG: ("vllm:cache_config_info",),
+}
+
+_CANONICAL: Mapping[str, VllmMetric] = {
+    name: metric for metric, names in METRIC_NAMES.items() for name in names
+}
+# Preference among aliases: a lower index is a newer name, used when a scrape has both.
+_ALIAS_RANK: Mapping[str, int] = {
+    name: rank for names in METRIC_NAMES.values() for rank, name in enumerate(names)
+}
+
+ENGINE_LABEL = "engine"
+# vLLM's V1 block pool sets one block aside as the "null block" (padding for skipped
+# positions) and computes kv_cache_usage_perc over the others (BlockPool.get_usage, 0.32):
+# the pool a request can use is one block smaller than cache_config_info says. V0, whose
+# gauge had the older name, had no such block.
+V1_NULL_BLOCKS_PER_ENGINE = 1
+
+
+class MetricsFormatError(ValueError):
+    """A scrape lacks or mangles something the budget needs; the budget counts as unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSample:
+    """One parsed Prometheus sample: name as exposed (with `_total` etc.), labels, value."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class BackendReading:
+    """What one scrape says about a backend's KV pool, summed over its engines.
+
+    `total_blocks` counts the blocks requests can use (V1's null block excluded), the same
+    denominator vLLM's usage gauge has. `used_blocks` is a float: vLLM reports a usage fraction, and rounding it would hide the
+    difference between one block and none on small pools. `preemptions_total` is None when the
+    backend does not export the counter (the AIMD controller then stays where it is).
+    """
+
+    total_blocks: int
+    block_size: int
+    used_blocks: float
+    running: int
+    waiting: int
+    preemptions_total: float | None
+    engines: int
+    prefix_caching: bool | None
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 1.0
+
+
+@dataclass(slots=True)
+class _Engine:
+    block_size: int | None = None
+    total_tokens: int | None = None
+    prefix_caching: bool | None = None
+    usage: float | None = None
+    usage_rank: int = 1 << 30
+
+
+def _int_label(labels: Mapping[str, str], name: str) -> int | None:
+    raw = labels.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(float(raw))
+    except ValueError:
+        return None  # vLLM writes "None" for unset fields
+    return value if value > 0 else None
+
+
+def _cache_config(engine: _Engine, labels: Mapping[str, str]) -> None:
+    block_size = _int_label(labels, "block_size")
+    if block_size is None:
+        raise MetricsFormatError("vllm:cache_config_info has no usable block_size label")
+    # kv_cache_size_tokens is what the engine actually built (vLLM >= 0.11); num_gpu_blocks is
+    # the older way to say the same thing and can disagree with it when blocks are padded.
+    tokens = _int_label(labels, "kv_cache_size_tokens")
+    if tokens is None:
+        blocks = _int_label(labels, "num_gpu_blocks")
+        if blocks is None:
+            raise MetricsFormatError(
+                "vllm:cache_config_info has neither kv_cache_size_tokens nor num_gpu_blocks"
+            )
+        tokens = blocks * block_size
+    engine.block_size = block_size
+    engine.total_tokens = tokens
+    prefix = labels.get("enable_prefix_caching")
+    engine.prefix_caching = None if prefix is None else prefix.lower() == "true"
+
+
+def _finite(value: float, name: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise MetricsFormatError(f"{name} has an impossible value {value!r}")
+    return value
+
+
+def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
+    """Turn one scrape's samples into a `BackendReading`; raise `MetricsFormatError` when the
+    pool size or its usage is missing."""
+    engines: dict[str, _Engine] = {}
+    running = 0.0
+    waiting = 0.0
+    preemptions: float | None = None
+    seen_running = seen_waiting = False
+    preemption_rank = 1 << 30
+    preemption_by_rank: dict[int, float] = {}
+
+    for sample in samples:
+        metric = _CANONICAL.get(sample.name)
+        if metric is None:
+            continue
+        engine_id = sample.labels.get(ENGINE_LABEL, "")
+        rank = _ALIAS_RANK[sample.name]
+        if metric is VllmMetric.CACHE_CONFIG:
+            _cache_config(engines.setdefault(engine_id, _Engine()), sample.labels)
+        elif metric is VllmMetric.KV_CACHE_USAGE:
+            engine = engines.setdefault(engine_id, _Engine())
+            value = _finite(sample.value, sample.name)
+            # Prefer the newest name; with several series under one name (one per model name
+            # on a single engine) the largest is the engine's, they share one pool.
+            if rank < engine.usage_rank:
+                engine.usage, engine.usage_rank = value, rank
+            elif rank == engine.usage_rank and engine.usage is not None:
+                engine.usage = max(engine.usage, value)
+        elif metric is VllmMetric.RUNNING:
+            running += _finite(sample.value, sample.name)
+            seen_running = True
+        elif metric is VllmMetric.WAITING:
+            waiting += _finite(sample.value, sample.name)
+            seen_waiting = True
+        elif metric is VllmMetric.PREEMPTIONS:
+            value = _finite(sample.value, sample.name)
+            preemption_by_rank[rank] = preemption_by_rank.get(rank, 0.0) + value
+            preemption_rank = min(preemption_rank, rank)
+
+    if preemption_by_rank:
+        preemptions = preemption_by_rank[preemption_rank]
+
+    configured = {eid: e for eid, e in engines.items() if e.total_tokens is not None}
+    if not configured:
+        raise MetricsFormatError("the scrape has no vllm:cache_config_info: pool size unknown")
+    block_sizes = {e.block_size for e in configured.values()}
+    if len(block_sizes) != 1:
+        raise MetricsFormatError(f"engines disagree on the block size: {sorted(map(str, block_sizes))}")
+    (block_size,) = block_sizes
+    assert block_size is not None
+
+    total_blocks = 0
+    used_blocks = 0.0
+    for engine_id, engine in configured.items():
+        assert engine.total_tokens is not None
+        if engine.usage is None:
+            raise MetricsFormatError(f"engine {engine_id!r} reports no KV cache usage")
+        blocks = engine.total_tokens // block_size
+        if engine.usage_rank == 0:  # the V1 gauge: its engine keeps a null block
+            blocks -= V1_NULL_BLOCKS_PER_ENGINE
+        total_blocks += blocks
+        # vLLM reports a fraction; clamp rounding noise so used never exceeds the pool.
+        used_blocks += min(1.0, engine.usage) * blocks
+    if total_blocks < 1:
+        raise MetricsFormatError("the KV pool has no blocks")
+
+    prefix_flags = {e.prefix_caching for e in configured.values()}
+    return BackendReading(
+        total_blocks=total_blocks,
+        block_size=block_size,
+        used_blocks=used_blocks,
+        # Missing request gauges count as idle: they refine the budget, they do not size it.
+        running=round(running) if seen_running else 0,
+        waiting=round(waiting) if seen_waiting else 0,
+        preemptions_total=preemptions,
+        engines=len(configured),
+        prefix_caching=prefix_flags.pop() if len(prefix_flags) == 1 else None,
+    )

@@ -1,0 +1,236 @@
+"""The async wait queue around the admission policy: order, deadlines, cancellation.
+
+Requests that do not fit wait here, in the gateway, not inside vLLM. `enter` runs the policy's
+arrival screen and then `pump`, so a request that fits is admitted without ever awaiting.
+`pump` asks the policy for a `Plan` over everyone waiting and carries it out synchronously:
+admitted entries have their `on_admit` callback run (it books the ledger) before anything else
+can look at the budget, so two admissions can never spend the same free blocks. `pump` runs on
+every event that can change the answer: an arrival, a completed reservation, a new scrape, and
+a timer armed for the earliest queue deadline, so nobody stays queued past it.
+
+Futures resolve to a `Decision` (admit or shed), never to an exception, so a waiter that went
+away before reading its answer leaves nothing unretrieved behind. A waiter that is cancelled
+(its client left) is removed at once (`leave`).
+
+`AdmissionQueue` is the interface the service uses; the contract: one event loop, `enter` and
+`leave` and `pump` never await, each entry resolves at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from gateway.admission import ADMIT, AdmissionPolicy, Ask, Decision, DecisionKind, Priority, Waiter
+from gateway.capacity import BudgetSource
+
+
+@dataclass(slots=True)
+class QueueEntry:
+    waiter: Waiter
+    on_admit: Callable[[float], None]
+    future: asyncio.Future[Decision]
+    entered_at: float
+    resolved_at: float | None = None
+
+    @property
+    def key(self) -> int:
+        return self.waiter.key
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class AdmissionQueue(Protocol):
+    def enter(self, key: int, ask: Ask, on_admit: Callable[[float], None]) -> QueueEntry:
+        """Screen and queue a request; the entry may already be resolved on return."""
+        ...
+
+    def leave(self, entry: QueueEntry) -> bool:
+        """Withdraw an unresolved entry (client gone); False if it was already resolved."""
+        ...
+
+    def pump(self) -> None: ...
+
+    def depth(self) -> dict[Priority, int]: ...
+
+    def close(self, decision: Decision) -> int:
+        """Resolve everyone still waiting with `decision` (shutdown); returns how many."""
+        ...
+
+
+@dataclass(slots=True)
+class _Stats:
+    pumps: int = 0
+    admitted: int = 0
+    shed: int = 0
+    left: int = 0
+
+
+class WaitQueue:
+    def __init__(
+        self,
+        *,
+        policy: AdmissionPolicy,
+        budget: BudgetSource,
+        drain_rate: Callable[[float], float | None],
+        clock: Callable[[], float],
+        on_resolved: Callable[[QueueEntry, Decision], None] | None = None,
+    ) -> None:
+        self._policy = policy
+        self._budget = budget
+        self._drain_rate = drain_rate
+        self._clock = clock
+        self._on_resolved = on_resolved
+        # Per priority, in arrival order; dicts keep insertion order and remove in O(1).
+        self._queues: dict[Priority, dict[int, QueueEntry]] = {p: {} for p in _ORDER}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._pumping = False
+        self._again = False
+        self.stats = _Stats()
+
+    # -- queries --------------------------------------------------------------------------
+
+    def depth(self) -> dict[Priority, int]:
+        return {p: len(q) for p, q in self._queues.items()}
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def waiting(self) -> Iterator[QueueEntry]:
+        """Entries in queue order."""
+        for priority in _ORDER:
+            yield from self._queues[priority].values()
+
+    def queued_blocks(self) -> int:
+        return sum(entry.waiter.ask.reserve_blocks for entry in self.waiting())
+
+    # -- changes --------------------------------------------------------------------------
+
+    def enter(self, key: int, ask: Ask, on_admit: Callable[[float], None]) -> QueueEntry:
+        now = self._clock()
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        entry = QueueEntry(Waiter(key, ask), on_admit, future, now)
+        refusal = self._policy.screen(ask, self._budget.snapshot(now), now)
+        if refusal is not None:
+            self._resolve(entry, refusal, now)
+            return entry
+        queue = self._queues[ask.priority]
+        queue[key] = entry
+        self.pump()
+        if not entry.done:
+            overflow = self._policy.overflow(
+                ask.priority,
+                len(queue) - 1,
+                self.queued_blocks(),
+                self._budget.snapshot(now),
+                self._drain_rate(now),
+            )
+            if overflow is not None:
+                del queue[key]
+                self._resolve(entry, overflow, now)
+        return entry
+
+    def leave(self, entry: QueueEntry) -> bool:
+        if entry.done:
+            return False
+        self._queues[entry.waiter.ask.priority].pop(entry.key, None)
+        entry.future.cancel()
+        entry.resolved_at = self._clock()
+        self.stats.left += 1
+        # Whoever was blocked behind it may fit now (bypass bounds, shortfalls).
+        self.pump()
+        return True
+
+    def pump(self) -> None:
+        if self._pumping:  # a callback re-entered: run once more after this pass
+            self._again = True
+            return
+        self._pumping = True
+        try:
+            while True:
+                self._again = False
+                self._pump_once()
+                if not self._again:
+                    break
+        finally:
+            self._pumping = False
+
+    def _pump_once(self) -> None:
+        self.stats.pumps += 1
+        if not len(self):
+            self._arm_timer(math.inf)
+            return
+        now = self._clock()
+        plan = self._policy.plan(
+            [entry.waiter for entry in self.waiting()], self._budget.snapshot(now), self._drain_rate(now), now
+        )
+        for key in plan.admit:
+            entry = self._pop(key)
+            entry.on_admit(now)
+            self._resolve(entry, ADMIT, now)
+        for key, decision in plan.shed:
+            self._resolve(self._pop(key), decision, now)
+        for key, count in plan.bypassed:
+            entry = self._find(key)
+            entry.waiter = replace(entry.waiter, bypassed=entry.waiter.bypassed + count)
+        self._arm_timer(min((e.waiter.ask.deadline_at for e in self.waiting()), default=math.inf))
+
+    def close(self, decision: Decision) -> int:
+        now = self._clock()
+        entries = list(self.waiting())
+        for entry in entries:
+            self._resolve(self._pop(entry.key), decision, now)
+        self._arm_timer(math.inf)
+        return len(entries)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _find(self, key: int) -> QueueEntry:
+        for queue in self._queues.values():
+            entry = queue.get(key)
+            if entry is not None:
+                return entry
+        raise KeyError(key)
+
+    def _pop(self, key: int) -> QueueEntry:
+        for queue in self._queues.values():
+            entry = queue.pop(key, None)
+            if entry is not None:
+                return entry
+        raise KeyError(key)
+
+    def _resolve(self, entry: QueueEntry, decision: Decision, now: float) -> None:
+        entry.resolved_at = now
+        if decision.kind is DecisionKind.ADMIT:
+            self.stats.admitted += 1
+        else:
+            self.stats.shed += 1
+        if not entry.future.done():
+            entry.future.set_result(decision)
+        if self._on_resolved is not None:
+            self._on_resolved(entry, decision)
+
+    def _arm_timer(self, deadline_at: float) -> None:
+        if deadline_at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline_at
+        if math.isfinite(deadline_at):
+            delay = max(0.0, deadline_at - self._clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        self.pump()
+
+
+_ORDER: tuple[Priority, ...] = tuple(sorted(Priority, key=lambda p: p.rank))

@@ -1,0 +1,289 @@
+"""The admission policy: screening, planning, bounded bypass, early shedding, properties."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission import (
+    AdmissionPolicy,
+    Ask,
+    DecisionKind,
+    PolicyConfig,
+    Priority,
+    Reason,
+    RetryAdvice,
+    Waiter,
+)
+from gateway.capacity import BudgetSnapshot, BudgetState
+
+CONFIG = PolicyConfig(
+    max_queued={Priority.HIGH: 4, Priority.NORMAL: 4, Priority.LOW: 4},
+    max_bypass=2,
+    early_shed=True,
+    retry=RetryAdvice(default_s=1.0, min_s=0.25, max_s=60.0),
+)
+POLICY = AdmissionPolicy(CONFIG)
+
+
+def budget(
+    free: int, *, total: int = 100, state: BudgetState = BudgetState.FRESH, known: bool = True
+) -> BudgetSnapshot:
+    return BudgetSnapshot(
+        state=state,
+        known=known,
+        total_blocks=total,
+        pool_limit_blocks=total,
+        admissible_blocks=total,
+        committed_blocks=total - free,
+        used_reported_blocks=0.0,
+        external_blocks=0,
+        fraction=1.0,
+        age_s=0.0,
+        detail="",
+    )
+
+
+def ask(
+    blocks: int, *, priority: Priority = Priority.NORMAL, deadline: float = math.inf, worst: int | None = None
+) -> Ask:
+    return Ask(blocks, worst if worst is not None else blocks, priority, arrived_at=0.0, deadline_at=deadline)
+
+
+# -- screen ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("the_ask", "snapshot", "now", "kind", "reason"),
+    [
+        (ask(5), budget(50), 0.0, None, None),
+        (ask(5, worst=101), budget(50), 0.0, DecisionKind.REJECT, Reason.EXCEEDS_POOL),
+        # A stale reading still sizes the pool: too big is refused as such, not "retry later".
+        (
+            ask(5, worst=101),
+            budget(0, known=False, state=BudgetState.STALE),
+            0.0,
+            DecisionKind.REJECT,
+            Reason.EXCEEDS_POOL,
+        ),
+        (
+            ask(5),
+            budget(0, known=False, state=BudgetState.STALE),
+            0.0,
+            DecisionKind.SHED,
+            Reason.BUDGET_UNKNOWN,
+        ),
+        (
+            ask(5),
+            budget(0, known=False, state=BudgetState.UNSEEN, total=0),
+            0.0,
+            DecisionKind.SHED,
+            Reason.BUDGET_UNKNOWN,
+        ),
+        (ask(5), budget(0, known=False, state=BudgetState.DOWN), 0.0, DecisionKind.SHED, Reason.BACKEND_DOWN),
+        (ask(5, deadline=1.0), budget(50), 1.0, DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE),
+    ],
+)
+def test_screen(
+    the_ask: Ask, snapshot: BudgetSnapshot, now: float, kind: DecisionKind | None, reason: Reason | None
+) -> None:
+    decision = POLICY.screen(the_ask, snapshot, now)
+    if kind is None:
+        assert decision is None
+    else:
+        assert decision is not None
+        assert (decision.kind, decision.reason) == (kind, reason)
+        if kind is DecisionKind.SHED:
+            assert decision.retry_after_s is not None
+            assert decision.retry_after_s > 0
+
+
+@pytest.mark.parametrize(
+    ("priority", "waiting", "full"),
+    [
+        (Priority.NORMAL, 3, False),
+        (Priority.NORMAL, 4, True),
+        (Priority.HIGH, 4, True),
+        (Priority.LOW, 0, False),
+    ],
+)
+def test_overflow(priority: Priority, waiting: int, full: bool) -> None:
+    decision = POLICY.overflow(priority, waiting, queued_blocks=30, budget=budget(10), drain_rate=10.0)
+    if not full:
+        assert decision is None
+    else:
+        assert decision is not None
+        assert (decision.reason, decision.retry_after_s) == (Reason.QUEUE_FULL, pytest.approx(2.0))
+
+
+# -- plan -------------------------------------------------------------------------------------
+
+
+def waiters(*asks: Ask, bypassed: tuple[int, ...] = ()) -> list[Waiter]:
+    counts = bypassed or (0,) * len(asks)
+    return [Waiter(key, a, count) for key, (a, count) in enumerate(zip(asks, counts, strict=True))]
+
+
+def test_admits_in_order_while_blocks_last() -> None:
+    plan = POLICY.plan(waiters(ask(10), ask(10), ask(10)), budget(25), None, now=0.0)
+    assert plan.admit == (0, 1)
+    assert plan.shed == ()
+    assert plan.bypassed == ()
+
+
+def test_small_requests_overtake_a_big_head_a_bounded_number_of_times() -> None:
+    queue = waiters(ask(30), ask(5), ask(5), ask(5))
+    plan = POLICY.plan(queue, budget(20), None, now=0.0)
+    # max_bypass = 2: two overtake the head, the third waits behind it.
+    assert plan.admit == (1, 2)
+    assert plan.bypassed == ((0, 2),)
+    blocked = POLICY.plan(waiters(ask(30), ask(5), bypassed=(2, 0)), budget(20), None, now=0.0)
+    assert blocked.admit == ()
+
+
+def test_zero_bypass_is_strict_fifo() -> None:
+    policy = AdmissionPolicy(replace(CONFIG, max_bypass=0))
+    plan = policy.plan(waiters(ask(30), ask(5)), budget(20), None, now=0.0)
+    assert plan.admit == ()
+
+
+def test_expired_waiters_are_shed_wherever_they_are() -> None:
+    plan = POLICY.plan(waiters(ask(50, deadline=5.0), ask(5, deadline=1.0)), budget(10), None, now=2.0)
+    assert [(key, d.reason) for key, d in plan.shed] == [(1, Reason.DEADLINE_EXPIRED)]
+
+
+def test_predicted_miss_is_shed_early_with_a_drain_based_retry_hint() -> None:
+    # 40 blocks short at 10 blocks/s: 4 s; the deadline is 3 s away.
+    plan = POLICY.plan(waiters(ask(50, deadline=3.0)), budget(10), drain_rate=10.0, now=0.0)
+    ((key, decision),) = plan.shed
+    assert (key, decision.kind, decision.reason) == (0, DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE)
+    assert decision.retry_after_s == pytest.approx(4.0)
+
+
+def test_work_ahead_counts_in_the_predicted_wait() -> None:
+    # The second waiter needs 10 but 40 are queued ahead of it: (40 + 10 - 0) / 10 = 5 s.
+    queue = waiters(ask(40, deadline=100.0), ask(10, deadline=4.0))
+    plan = POLICY.plan(queue, budget(0), drain_rate=10.0, now=0.0)
+    assert [key for key, _ in plan.shed] == [1]
+    relaxed = POLICY.plan(waiters(ask(40, deadline=100.0), ask(10, deadline=6.0)), budget(0), 10.0, now=0.0)
+    assert relaxed.shed == ()
+
+
+def test_no_early_shedding_without_an_observed_rate_or_when_disabled() -> None:
+    assert POLICY.plan(waiters(ask(50, deadline=3.0)), budget(10), None, now=0.0).shed == ()
+    off = AdmissionPolicy(replace(CONFIG, early_shed=False))
+    assert off.plan(waiters(ask(50, deadline=3.0)), budget(10), 10.0, now=0.0).shed == ()
+
+
+def test_unknown_budget_admits_nobody_and_a_down_backend_sheds_everyone() -> None:
+    queue = waiters(ask(1), ask(1, deadline=1.0))
+    stale = POLICY.plan(queue, budget(100, known=False, state=BudgetState.STALE), None, now=2.0)
+    assert stale.admit == ()
+    assert [(k, d.reason) for k, d in stale.shed] == [(1, Reason.DEADLINE_EXPIRED)]
+    down = POLICY.plan(queue, budget(100, known=False, state=BudgetState.DOWN), None, now=0.0)
+    assert [d.reason for _, d in down.shed] == [Reason.BACKEND_DOWN, Reason.BACKEND_DOWN]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "rate", "expected"),
+    [(10, None, 1.0), (10, 0.0, 1.0), (10, 5.0, 2.0), (0, 5.0, 0.25), (10_000, 1.0, 60.0)],
+)
+def test_retry_advice(blocks: float, rate: float | None, expected: float) -> None:
+    assert CONFIG.retry.after(blocks, rate) == expected
+
+
+# -- properties -------------------------------------------------------------------------------
+
+ask_strategy = st.builds(
+    lambda blocks, priority, deadline: Ask(blocks, blocks, priority, 0.0, deadline),
+    st.integers(0, 60),
+    st.sampled_from(list(Priority)),
+    st.one_of(st.just(math.inf), st.floats(0.0, 20.0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    asks=st.lists(ask_strategy, max_size=12),
+    free=st.integers(0, 100),
+    bypassed=st.lists(st.integers(0, 4), min_size=12, max_size=12),
+    rate=st.one_of(st.none(), st.floats(0.1, 50.0)),
+    now=st.floats(0.0, 20.0),
+)
+def test_plan_never_admits_beyond_the_free_blocks(
+    asks: list[Ask], free: int, bypassed: list[int], rate: float | None, now: float
+) -> None:
+    ordered = sorted(asks, key=lambda a: a.priority.rank)
+    queue = [Waiter(i, a, bypassed[i]) for i, a in enumerate(ordered)]
+    plan = POLICY.plan(queue, budget(free), rate, now)
+    by_key = {w.key: w for w in queue}
+    assert sum(by_key[k].ask.reserve_blocks for k in plan.admit) <= free
+    decided = list(plan.admit) + [k for k, _ in plan.shed]
+    assert len(decided) == len(set(decided))  # nobody is both admitted and shed
+    for key, _ in plan.shed:
+        assert key in by_key
+    for key in plan.admit:
+        assert now < by_key[key].ask.deadline_at  # nobody is admitted past its deadline
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.one_of(
+            st.tuples(st.just("arrive"), ask_strategy),
+            st.tuples(st.just("finish"), st.integers(0, 30)),
+            st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
+        ),
+        max_size=50,
+    ),
+    pool=st.integers(1, 100),
+)
+def test_simulated_queue_keeps_budget_deadlines_and_bypass_bound(
+    events: list[tuple[str, object]], pool: int
+) -> None:
+    """Drive the policy as the wait queue does, against a ledger of admitted blocks."""
+    now = 0.0
+    admitted: dict[int, int] = {}  # key -> blocks
+    queue: list[Waiter] = []
+    key = 0
+    for kind, value in events:
+        if kind == "arrive":
+            assert isinstance(value, Ask)
+            a = replace(
+                value,
+                reserve_blocks=min(value.reserve_blocks, pool),
+                max_blocks=min(value.max_blocks, pool),
+                arrived_at=now,
+                deadline_at=now + (value.deadline_at if math.isfinite(value.deadline_at) else 1e9),
+            )
+            queue.append(Waiter(key, a))
+            queue.sort(key=lambda w: (w.ask.priority.rank, w.key))
+            key += 1
+        elif kind == "finish" and admitted:
+            assert isinstance(value, int)
+            victim = sorted(admitted)[value % len(admitted)]
+            del admitted[victim]
+        elif kind == "tick":
+            assert isinstance(value, float)
+            now += value
+        committed = sum(admitted.values())
+        plan = POLICY.plan(queue, budget(pool - committed, total=pool), 5.0, now)
+        by_key = {w.key: w for w in queue}
+        for k in plan.admit:
+            admitted[k] = by_key[k].ask.reserve_blocks
+        gone = set(plan.admit) | {k for k, _ in plan.shed}
+        increments = dict(plan.bypassed)
+        queue = [
+            replace(w, bypassed=w.bypassed + increments.get(w.key, 0)) for w in queue if w.key not in gone
+        ]
+        # Never admitted beyond the budget.
+        assert sum(admitted.values()) <= pool
+        # Deadlines are never exceeded while queued.
+        assert all(w.ask.deadline_at > now for w in queue)
+        # Nobody is overtaken more than max_bypass times.
+        for w in queue:
+            assert w.bypassed <= CONFIG.max_bypass

@@ -1,0 +1,207 @@
+"""The budget: closed loop correcting the open loop both ways, AIMD, staleness (fake clock)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from estimator.demand import BlockCost, Demand
+from gateway.capacity import AimdLimit, BudgetState, CapacityConfig, KvBudget
+from gateway.ledger import InMemoryLedger
+from gateway.vllm_metrics import BackendReading
+
+CONFIG = CapacityConfig(
+    stale_after_s=1.0,
+    settle_s=0.5,
+    unknown_is_saturated=True,
+    down_after_failures=2,
+    min_fraction=0.5,
+    max_fraction=1.0,
+    initial_fraction=1.0,
+    decrease_factor=0.8,
+    increase_per_s=0.02,
+    quiet_s=5.0,
+    decrease_cooldown_s=2.0,
+)
+COST = BlockCost(block_size=16)
+
+
+def reading(
+    used: float, *, total: int = 100, waiting: int = 0, preemptions: float | None = 0.0
+) -> BackendReading:
+    return BackendReading(
+        total_blocks=total,
+        block_size=16,
+        used_blocks=used,
+        running=0,
+        waiting=waiting,
+        preemptions_total=preemptions,
+        engines=1,
+        prefix_caching=True,
+    )
+
+
+def booking(prompt_blocks: int, expected_blocks: int = 0) -> Demand:
+    return Demand(
+        prompt_tokens=(prompt_blocks * 16,),
+        max_output_tokens=1000,
+        expected_output_tokens=expected_blocks * 16,
+        samples_per_prompt=1,
+        cost=COST,
+    )
+
+
+def test_unseen_budget_is_unknown() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    snapshot = budget.snapshot(now=0.0)
+    assert snapshot.state is BudgetState.UNSEEN
+    assert not snapshot.known
+    assert snapshot.free_blocks == 0
+
+
+def test_fresh_reading_with_empty_ledger() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0), started_at=10.0, now=10.01)
+    snapshot = budget.snapshot(now=10.2)
+    assert snapshot.state is BudgetState.FRESH
+    assert snapshot.known
+    assert (snapshot.total_blocks, snapshot.admissible_blocks, snapshot.free_blocks) == (100, 100, 100)
+
+
+def test_usage_the_ledger_does_not_explain_counts_as_external() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(10, 5), now=0.0)  # holds 10, reserves 15
+    budget = KvBudget(CONFIG, ledger)
+    # vLLM reports 30 used: 10 are ours, 1 block of slack for our one sequence, 19 are not.
+    result = budget.observe(reading(30.0), started_at=10.0, now=10.0)
+    assert result.external_blocks == 19
+    snapshot = budget.snapshot(now=10.1)
+    assert snapshot.committed_blocks == 15 + 19
+    assert snapshot.free_blocks == 100 - 34
+
+
+def test_external_usage_follows_the_ledger_between_scrapes() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(10, 5), now=0.0)
+    budget = KvBudget(CONFIG, ledger)
+    budget.observe(reading(30.0), started_at=10.0, now=10.0)
+    ledger.close(1)  # completes before the next scrape: its 15 reserved blocks free at once
+    assert budget.snapshot(now=10.1).committed_blocks == 19
+
+
+def test_less_usage_than_settled_entries_hold_is_credited() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(20), now=0.0)
+    ledger.open(2, booking(20), now=0.0)  # same prompt: vLLM shares the prefix blocks
+    budget = KvBudget(CONFIG, ledger)
+    result = budget.observe(reading(20.0), started_at=10.0, now=10.0)
+    assert result.kept_fraction == pytest.approx(0.5)
+    assert budget.snapshot(now=10.0).committed_blocks == 40 - 20
+    ledger.close(2)  # its credit leaves with it
+    assert budget.snapshot(now=10.0).committed_blocks == 20 - 10
+
+
+def test_fresh_entries_earn_no_credit() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(20), now=9.8)  # admitted 0.2 s before the scrape: maybe not in vLLM yet
+    budget = KvBudget(CONFIG, ledger)
+    result = budget.observe(reading(0.0), started_at=10.0, now=10.0)
+    assert (result.kept_fraction, result.external_blocks) == (1.0, 0)
+    assert budget.snapshot(now=10.0).committed_blocks == 20
+
+
+def test_no_credit_while_vllm_has_waiting_requests() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(20), now=0.0)
+    budget = KvBudget(CONFIG, ledger)
+    result = budget.observe(reading(5.0, waiting=1), started_at=10.0, now=10.0)
+    assert result.kept_fraction == 1.0
+    assert budget.snapshot(now=10.0).committed_blocks == 20
+
+
+@pytest.mark.parametrize(
+    ("age_s", "state", "known"),
+    [(0.0, BudgetState.FRESH, True), (1.0, BudgetState.FRESH, True), (1.01, BudgetState.STALE, False)],
+)
+def test_staleness(age_s: float, state: BudgetState, known: bool) -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0), started_at=10.0, now=10.0)
+    snapshot = budget.snapshot(now=10.0 + age_s)
+    assert (snapshot.state, snapshot.known) == (state, known)
+
+
+def test_stale_budget_may_fall_back_on_the_ledger_when_configured() -> None:
+    ledger = InMemoryLedger()
+    budget = KvBudget(replace(CONFIG, unknown_is_saturated=False), ledger)
+    budget.observe(reading(50.0), started_at=10.0, now=10.0)  # 50 external blocks
+    snapshot = budget.snapshot(now=20.0)
+    assert snapshot.state is BudgetState.STALE
+    assert snapshot.known
+    assert snapshot.committed_blocks == 0  # the correction is dropped with the fresh data
+
+
+def test_unreachable_backend_goes_down_and_recovers() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0), started_at=10.0, now=10.0)
+    budget.observe_failure("refused", unreachable=True, now=10.2)
+    assert budget.state(10.3) is BudgetState.FRESH  # one failure is not enough
+    budget.observe_failure("refused", unreachable=True, now=10.4)
+    assert budget.state(10.5) is BudgetState.DOWN
+    assert "refused" in budget.snapshot(10.5).detail
+    budget.observe(reading(0.0), started_at=11.0, now=11.0)
+    assert budget.state(11.0) is BudgetState.FRESH
+
+
+def test_a_resized_pool_resets_the_counter_baseline() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0, preemptions=50.0), started_at=0.0, now=0.0)
+    budget.observe(reading(0.0, total=80, preemptions=3.0), started_at=1.0, now=1.0)
+    assert budget.limit.fraction == 1.0
+    assert budget.snapshot(1.0).total_blocks == 80
+
+
+# AIMD: (time, preemptions_total) observations -> fraction after each.
+@pytest.mark.parametrize(
+    ("observations", "fractions"),
+    [
+        pytest.param([(0, 0), (1, 0), (2, 0)], [1.0, 1.0, 1.0], id="quiet-at-max"),
+        pytest.param([(0, 0), (1, 3)], [1.0, 0.8], id="preemption-decreases"),
+        pytest.param(
+            [(0, 0), (1, 3), (2, 5), (3.5, 6)], [1.0, 0.8, 0.8, 0.64], id="cooldown-bounds-decreases"
+        ),
+        pytest.param(
+            [(0, 0), (1, 1), (3.1, 2), (5.2, 3), (7.3, 4), (9.4, 5)],
+            [1.0, 0.8, 0.64, 0.512, 0.5, 0.5],
+            id="floor",
+        ),
+        pytest.param(
+            [(0, 0), (1, 1), (6, 1), (11, 1)], [1.0, 0.8, 0.8, 0.9], id="additive-increase-after-quiet"
+        ),
+        pytest.param([(0, 10), (1, 2)], [1.0, 1.0], id="counter-reset-is-not-pressure"),
+        pytest.param([(0, None), (1, None)], [1.0, 1.0], id="no-counter"),
+    ],
+)
+def test_aimd(observations: list[tuple[float, float | None]], fractions: list[float]) -> None:
+    limit = AimdLimit(CONFIG)
+    seen = []
+    for (now, total), expected in zip(observations, fractions, strict=True):
+        limit.observe(total, now)
+        seen.append(round(limit.fraction, 6))
+        assert limit.fraction == pytest.approx(expected)
+    assert seen == pytest.approx(fractions)
+
+
+def test_aimd_shrinks_the_admissible_blocks() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0, preemptions=0.0), started_at=0.0, now=0.0)
+    budget.observe(reading(0.0, preemptions=2.0), started_at=0.2, now=0.2)
+    snapshot = budget.snapshot(0.3)
+    assert snapshot.admissible_blocks == 80
+    assert snapshot.pool_limit_blocks == 100  # a single request may still use the whole pool
+    assert budget.limit.preemptions_seen == 2.0
+
+
+def test_config_refuses_inverted_bounds() -> None:
+    with pytest.raises(ValueError, match="min_fraction"):
+        replace(CONFIG, min_fraction=0.9, initial_fraction=0.8)

@@ -1,0 +1,96 @@
+"""The output-length model: cold start at the cap, learned quantiles, key fallbacks, windows."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.output_model import OutputKey, OutputLengthModel, PredictionSource
+
+CHAT = OutputKey("m", "chat")
+
+
+def model(**overrides: int | float) -> OutputLengthModel:
+    params: dict[str, int | float] = {"quantile": 0.9, "min_samples": 5, "window": 10}
+    params.update(overrides)
+    return OutputLengthModel(
+        quantile=float(params["quantile"]),
+        min_samples=int(params["min_samples"]),
+        window=int(params["window"]),
+    )
+
+
+def test_cold_model_reserves_the_cap() -> None:
+    prediction = model().predict(CHAT, cap=512)
+    assert (prediction.tokens, prediction.source, prediction.samples) == (512, PredictionSource.COLD, 0)
+
+
+def test_learned_quantile_is_capped_by_the_request() -> None:
+    m = model()
+    for tokens in (10, 20, 30, 40, 50, 60, 70, 80, 90, 100):
+        m.observe(CHAT, tokens)
+    prediction = m.predict(CHAT, cap=512)
+    assert (prediction.tokens, prediction.source, prediction.samples) == (90, PredictionSource.LEARNED, 10)
+    assert m.predict(CHAT, cap=25).tokens == 25
+
+
+@pytest.mark.parametrize(("quantile", "expected"), [(0.1, 10), (0.5, 50), (0.91, 100), (1.0, 100)])
+def test_nearest_rank_quantile(quantile: float, expected: int) -> None:
+    m = model(quantile=quantile)
+    for tokens in range(10, 101, 10):
+        m.observe(CHAT, tokens)
+    assert m.predict(CHAT, cap=1000).tokens == expected
+
+
+def test_window_forgets_old_lengths() -> None:
+    m = model(window=5, min_samples=5, quantile=1.0)
+    for tokens in (500, 1, 1, 1, 1):
+        m.observe(CHAT, tokens)
+    assert m.predict(CHAT, cap=1000).tokens == 500
+    m.observe(CHAT, 2)  # pushes 500 out
+    assert m.predict(CHAT, cap=1000).tokens == 2
+
+
+def test_specific_keys_fall_back_on_their_parents() -> None:
+    m = model(min_samples=3)
+    tenant = OutputKey("m", "chat", tenant="acme")
+    for _ in range(3):
+        m.observe(OutputKey("m", "completions"), 7)
+    # The tenant and the chat route have no samples: the model-wide key answers.
+    prediction = m.predict(tenant, cap=100)
+    assert (prediction.tokens, prediction.key) == (7, OutputKey("m", ""))
+    for _ in range(3):
+        m.observe(tenant, 40)
+    assert m.predict(tenant, cap=100).key == tenant
+    assert m.predict(OutputKey("m", "chat", tenant="other"), cap=100).key == CHAT
+
+
+def test_key_count_is_bounded() -> None:
+    m = OutputLengthModel(quantile=0.5, min_samples=1, window=4, max_keys=3)
+    for tenant in "abcdef":
+        m.observe(OutputKey("m", "chat", tenant), 1)
+    assert len(m.describe()) == 3
+
+
+def test_invalid_parameters() -> None:
+    with pytest.raises(ValueError, match="quantile"):
+        model(quantile=0.0)
+    with pytest.raises(ValueError, match="min_samples"):
+        model(min_samples=20, window=10)
+    with pytest.raises(ValueError, match="negative"):
+        model().observe(CHAT, -1)
+
+
+@given(
+    st.lists(st.integers(0, 10_000), min_size=1, max_size=80), st.floats(0.01, 1.0), st.integers(1, 20_000)
+)
+def test_prediction_is_an_observed_value_within_the_cap(
+    lengths: list[int], quantile: float, cap: int
+) -> None:
+    m = OutputLengthModel(quantile=quantile, min_samples=1, window=50)
+    for tokens in lengths:
+        m.observe(CHAT, tokens)
+    tokens = m.predict(CHAT, cap).tokens
+    assert tokens <= cap
+    assert tokens == cap or tokens in lengths[-50:]

@@ -1,0 +1,229 @@
+"""kvgate in front of the real vLLM CPU testbed (tiny-llama, 63 usable blocks of 32 tokens).
+
+Pass-through is compared with the same request sent straight to vLLM (greedy sampling on a
+random model is deterministic); ids and timestamps differ by nature and are masked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import Served, ledger_is_empty, served_gateway
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-llama"
+BLOCK_SIZE = 32
+VARYING_FIELDS = ("id", "created")
+
+
+@pytest.fixture(scope="module")
+def kvgate(vllm_url: str) -> Iterator[Served]:
+    # The real tokenizer, found the way `kvgate serve` finds it: from the backend's /v1/models.
+    with served_gateway(vllm_url, discover_tokenizer=True, metrics_poll_interval_s=0.1) as served:
+        yield served
+
+
+def vllm_gauge(vllm_url: str, name: str) -> float:
+    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def wait_vllm_idle(vllm_url: str, timeout_s: float = 120.0) -> None:
+    """Other tests (or other users of the testbed) may still be generating."""
+    deadline = time.monotonic() + timeout_s
+    while (
+        vllm_gauge(vllm_url, "vllm:num_requests_running") + vllm_gauge(vllm_url, "vllm:num_requests_waiting")
+        > 0
+    ):
+        assert time.monotonic() < deadline, "the testbed did not go idle"
+        time.sleep(0.1)
+
+
+def masked(payload: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in payload.items() if key not in VARYING_FIELDS}
+
+
+def sse_payloads(text: str) -> list[Any]:
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    return [event if event == "[DONE]" else masked(json.loads(event)) for event in events]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "The KV cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": 10,
+                "temperature": 0,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_pass_through_matches_vllm_direct(
+    kvgate: Served, vllm_url: str, path: str, body: dict[str, Any], stream: bool
+) -> None:
+    request = {"model": MODEL, **body, "stream": stream}
+    if not stream:
+        request.pop("stream_options", None)
+    direct = httpx.post(f"{vllm_url}{path}", json=request, timeout=60)
+    relayed = httpx.post(f"{kvgate.url}{path}", json=request, timeout=60)
+    assert relayed.status_code == direct.status_code == 200
+    assert relayed.headers["content-type"] == direct.headers["content-type"]
+    if stream:
+        assert sse_payloads(relayed.text) == sse_payloads(direct.text)
+    else:
+        assert masked(relayed.json()) == masked(direct.json())
+    kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
+
+
+def test_usage_and_reserved_blocks_use_vllm_token_counts(kvgate: Served) -> None:
+    prompt = " ".join(f"token{i}" for i in range(60))
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=60)
+    usage = sse_payloads(response.text)[-2]["usage"]
+    assert usage["completion_tokens"] == 40
+    # Until the output model has samples the gateway reserves the cap: prompt + 40 tokens.
+    samples = kvgate.call(
+        lambda: kvgate.gateway.output_model.describe().get(f"{MODEL}/completions", {}).get("samples", 0)
+    )
+    if samples <= 1:
+        assert int(response.headers["x-kvgate-blocks"]) == math.ceil(
+            (usage["prompt_tokens"] + 40) / BLOCK_SIZE
+        )
+    # The tokens kvgate counted on the stream are what vLLM reports.
+    assert kvgate.call(lambda: kvgate.gateway.output_model.describe()[f"{MODEL}/completions"]["samples"]) >= 1
+
+
+def test_a_burst_through_kvgate_causes_no_preemption(kvgate: Served, vllm_url: str) -> None:
+    # Sent straight to vLLM, 8 requests of ~225 prompt + 300 output tokens (17 blocks each, 136
+    # in all for a 63-block pool) preempt; kvgate queues what does not fit instead.
+    wait_vllm_idle(vllm_url)
+    before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
+    prompt = " ".join(f"w{i}" for i in range(75))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "ignore_eos": True}
+    foreign: list[float] = []
+    done = threading.Event()
+
+    def watch_for_foreign_traffic() -> None:
+        # The testbed may be shared: requests kvgate did not send make the result meaningless.
+        while not done.is_set():
+            ours = kvgate.call(lambda: kvgate.gateway.ledger.totals().entries)
+            theirs = vllm_gauge(vllm_url, "vllm:num_requests_running") + vllm_gauge(
+                vllm_url, "vllm:num_requests_waiting"
+            )
+            if theirs > ours:
+                foreign.append(theirs - ours)
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(9) as pool:
+        watcher = pool.submit(watch_for_foreign_traffic)
+        responses = list(
+            pool.map(lambda _: httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=120), range(8))
+        )
+        done.set()
+        watcher.result()
+    preemptions = vllm_gauge(vllm_url, "vllm:num_preemptions_total") - before
+    if preemptions and len(foreign) > 2:
+        pytest.skip(f"another client used the testbed during the burst ({len(foreign)} samples)")
+    assert [r.status_code for r in responses] == [200] * 8, [
+        r.text for r in responses if r.status_code != 200
+    ]
+    assert max(int(r.headers["x-kvgate-queue-ms"]) for r in responses) > 0
+    assert preemptions == 0
+    kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
+
+
+def test_client_leaving_mid_stream_frees_vllm_blocks(kvgate: Served, vllm_url: str) -> None:
+    wait_vllm_idle(vllm_url)
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{kvgate.url}/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+        assert vllm_gauge(vllm_url, "vllm:num_requests_running") == 1
+    kvgate.wait_until(ledger_is_empty, timeout_s=10, what="the reservation to be released")
+    deadline = time.monotonic() + 10
+    while (
+        vllm_gauge(vllm_url, "vllm:num_requests_running") > 0
+        or vllm_gauge(vllm_url, "vllm:kv_cache_usage_perc") > 0
+    ):
+        assert time.monotonic() < deadline, "vLLM kept the request after the client left"
+        time.sleep(0.05)
+
+
+def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
+    wait_vllm_idle(vllm_url)
+    with (
+        served_gateway(
+            vllm_url, discover_tokenizer=True, queue_max_normal=0, retry_after_min_s=0.2
+        ) as kvgate,
+        openai.OpenAI(base_url=f"{kvgate.url}/v1", api_key="unused", max_retries=20, timeout=60) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 8
+        # Two requests of 32 blocks each (2 prompt + 1,000 output tokens) cannot both fit in 63
+        # blocks: the second is shed with 429 until the first completes, and the SDK retries it.
+        # The first goes in as high priority, whose queue is open: it waits for room should the
+        # testbed be busy; the normal-priority queue is closed (0), so the second is shed.
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+        first = pool.submit(
+            httpx.post,
+            f"{kvgate.url}/v1/completions",
+            json=body,
+            headers={"x-kvgate-priority": "high"},
+            timeout=120,
+        )
+        kvgate.wait_until(
+            lambda gw: gw.ledger.totals().entries == 1, timeout_s=60, what="the first to be admitted"
+        )
+        second = client.completions.with_raw_response.create(
+            model=MODEL, prompt="y", max_tokens=1000, extra_body={"ignore_eos": True}
+        )
+        assert second.http_response.status_code == 200
+        assert second.retries_taken >= 1
+        assert first.result().status_code == 200
+        kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
