@@ -154,7 +154,8 @@ class AdmissionPolicy:
             return Decision(DecisionKind.REJECT, Reason.EXCEEDS_POOL)
         if budget.state is BudgetState.DOWN:
             return Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, retry.default_s)
-        if not budget.known:
+        # A suspect budget is settled by the next scrape, a moment away: wait for it in the queue.
+        if not budget.known and budget.state is not BudgetState.SUSPECT:
             return Decision(DecisionKind.SHED, Reason.BUDGET_UNKNOWN, retry.default_s)
         if now >= ask.deadline_at:
             return Decision(DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, retry.default_s)

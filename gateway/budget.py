@@ -10,6 +10,7 @@ calls `on_update` so the wait queue can react at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -73,6 +74,11 @@ class MetricsPoller:
         self._on_update = on_update
         self._headers = headers or {}
         self.failures = 0
+        self._poked = asyncio.Event()
+
+    def poke(self) -> None:
+        """Scrape now instead of at the next tick (a request just failed to reach the backend)."""
+        self._poked.set()
 
     async def poll_once(self) -> Reconciliation | None:
         """One scrape; returns the reconciliation, or None when the scrape failed."""
@@ -88,18 +94,27 @@ class MetricsPoller:
             self._fail(f"{type(exc).__name__}: {exc}", unreachable=False)
         else:
             result = self._budget.observe(reading, started, self._clock())
+            if result is None:  # refused as frozen; the budget has counted the failure
+                self._count_failure(self._budget.last_error)
         self._on_update(result)
         return result
 
     def _fail(self, message: str, *, unreachable: bool) -> None:
+        self._count_failure(message)
+        self._budget.observe_failure(message, unreachable=unreachable, now=self._clock())
+
+    def _count_failure(self, message: str) -> None:
         self.failures += 1
         if self.failures == 1 or self.failures % 50 == 0:
             log.warning("metrics scrape of %s failed (%d so far): %s", self._url, self.failures, message)
-        self._budget.observe_failure(message, unreachable=unreachable, now=self._clock())
 
     async def run(self) -> None:
         while True:
             started = self._clock()
+            # A poke that arrives during this scrape asks for another one that starts after it.
+            self._poked.clear()
             await self.poll_once()
             elapsed = self._clock() - started
-            await asyncio.sleep(max(0.0, self._interval_s - elapsed))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, self._interval_s - elapsed)):
+                    await self._poked.wait()

@@ -27,12 +27,24 @@ On top sits an AIMD limit on the admissible share of the pool: a rising
 bursts), quiet periods add back a fixed share per second, always within [min, max].
 
 Unknown means saturated: without a fresh reading the budget is not `known`, and the policy
-admits nothing new, unless configured to fall back on the ledger alone.
+admits nothing new, unless configured to fall back on the ledger alone. A request whose
+connection to the backend failed (refused, cut mid-stream) makes the budget `suspect`: not
+known until a scrape that started after the failure succeeds. The backend may be gone, and
+admitting into its last reading would send the queue to nowhere; if it is gone, the failing
+scrapes mark it down and the queue is answered at once.
+
+Frozen metrics (a wedged exporter repeating old text, or an engine that stopped working) are
+told from a live engine by vLLM's engine-step counter: requests sent to vLLM make it step.
+Settled entries earn credit only when the engine has stepped since the newest of them was
+admitted (before that, vLLM may simply not have allocated it yet); and when scrapes keep
+showing settled requests in flight but no step for `stale_after_s`, the readings are refused as
+frozen and the budget goes stale from the moment they stopped moving.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -48,6 +60,7 @@ class BudgetState(StrEnum):
     STALE = "stale"  # the last good scrape is older than stale_after_s
     DOWN = "down"  # the backend cannot be reached
     UNSEEN = "unseen"  # no good scrape yet
+    SUSPECT = "suspect"  # a request just failed to reach the backend: waiting for a new scrape
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +165,11 @@ class Reconciliation:
     kept_fraction: float
 
 
+# Engine-step counts of the recent scrapes, kept to tell whether the engine stepped since a
+# given moment (at the default 0.2 s interval: the last 200 s).
+STEP_HISTORY_SCRAPES = 1000
+
+
 class KvBudget:
     """Combines readings, the ledger and the AIMD limit. One event loop owns it."""
 
@@ -165,16 +183,46 @@ class KvBudget:
         self._failures = 0
         self._unreachable_failures = 0
         self._last_error = ""
+        self._suspect_since: float | None = None
+        # (parsed at, engine steps) of recent scrapes, oldest first.
+        self._steps: deque[tuple[float, float]] = deque(maxlen=STEP_HISTORY_SCRAPES)
+        # First scrape of a run showing settled requests in flight and no engine step.
+        self._motionless_since: float | None = None
 
     @property
     def external_blocks(self) -> int:
         return self._external
 
-    def observe(self, reading: BackendReading, started_at: float, now: float) -> Reconciliation:
-        """Take a good scrape that was started at `started_at` and parsed at `now`."""
+    @property
+    def last_error(self) -> str:
+        """Why the last scrape failed ("" after a good one)."""
+        return self._last_error
+
+    def observe(self, reading: BackendReading, started_at: float, now: float) -> Reconciliation | None:
+        """Take a scrape that was started at `started_at` and parsed at `now`. Returns None
+        when the reading is refused as frozen (then it counts as a failed scrape)."""
         config = self._config
         settled_before = started_at - config.settle_s
         split = self._ledger.held_split(settled_before)
+        stepped = self._stepped_since(split.newest_settled_at, reading.engine_steps_total)
+        if reading.engine_steps_total is not None:
+            self._steps.append((now, reading.engine_steps_total))
+        if stepped is False:
+            if self._motionless_since is None:
+                self._motionless_since = started_at
+            elif started_at - self._motionless_since >= config.stale_after_s:
+                # The last reading worth trusting is the one from before it stopped moving.
+                if self._reading_at is not None:
+                    self._reading_at = min(self._reading_at, self._motionless_since)
+                self.observe_failure(
+                    f"the metrics are frozen: requests are in flight but vLLM reports no engine step "
+                    f"for {started_at - self._motionless_since:.1f} s",
+                    unreachable=False,
+                    now=now,
+                )
+                return None
+        else:
+            self._motionless_since = None
         used = reading.used_blocks
         gap = used - split.settled_blocks - split.fresh_blocks
         slack = split.settled_sequences
@@ -182,7 +230,9 @@ class KvBudget:
         external = 0
         if gap > slack:
             external = math.ceil(gap - slack - 1e-9)
-        elif used < split.settled_blocks and reading.waiting == 0:
+        elif used < split.settled_blocks and reading.waiting == 0 and stepped is not False:
+            # Credit only an engine that has stepped since the newest settled request arrived:
+            # otherwise vLLM may not have allocated it yet (or its metrics are not moving).
             kept = max(0.0, used / split.settled_blocks)
         self._ledger.set_credit(kept, settled_before)
         self._external = external
@@ -192,6 +242,8 @@ class KvBudget:
         preemptions = self.limit.observe(reading.preemptions_total, now)
         self.reading = reading
         self._reading_at = started_at
+        if self._suspect_since is not None and started_at >= self._suspect_since:
+            self._suspect_since = None
         self._failures = 0
         self._unreachable_failures = 0
         self._last_error = ""
@@ -204,11 +256,30 @@ class KvBudget:
         self._last_error = error
         self.limit.observe(None, now)
 
+    def _stepped_since(self, moment: float | None, steps: float | None) -> bool | None:
+        """Whether the engine stepped after `moment`: compares `steps` with the last scrape
+        parsed before it. None when either is unknown (no counter, no such scrape kept)."""
+        if moment is None or steps is None:
+            return None
+        for parsed_at, before in reversed(self._steps):
+            if parsed_at < moment:
+                # A counter that went down means vLLM restarted: it has certainly run since.
+                return steps != before
+        return None
+
+    def suspect(self, now: float) -> None:
+        """A request failed to reach the backend at `now` (a connection refused or cut, not a
+        timeout or an HTTP error): the budget is unknown until a scrape started since then
+        succeeds."""
+        self._suspect_since = now if self._suspect_since is None else max(self._suspect_since, now)
+
     def state(self, now: float) -> BudgetState:
         if self._unreachable_failures >= self._config.down_after_failures:
             return BudgetState.DOWN
         if self._reading_at is None:
             return BudgetState.UNSEEN
+        if self._suspect_since is not None:
+            return BudgetState.SUSPECT
         if now - self._reading_at > self._config.stale_after_s:
             return BudgetState.STALE
         return BudgetState.FRESH
@@ -263,4 +334,6 @@ class KvBudget:
             return f"backend unreachable for {self._unreachable_failures} scrapes{error}"
         if state is BudgetState.UNSEEN:
             return f"no good metrics scrape yet{error}"
+        if state is BudgetState.SUSPECT:
+            return f"a request just failed to reach the backend; waiting for a new metrics scrape{error}"
         return f"metrics stale: last good scrape {age:.3f} s ago{error}"

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute a subcommand, in the order `kvgate --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("estimator.cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("estimator.cli", "gateway.serve_cli", "sim.cli", "bench.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

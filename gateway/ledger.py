@@ -13,7 +13,9 @@ sequences has streamed so far, and from those two numbers in blocks:
 `Ledger` is the interface the rest of the gateway uses, so that a store shared between
 replicas can replace the in-memory one. Its contract: called from one event loop only (no
 locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries)),
-`close` is idempotent and the totals are exact integer sums over the open entries.
+`close` is idempotent and the totals are exact integer sums over the open entries. Whatever
+runs on every request (admission, the queue's drain-rate projection) reads totals only, never
+iterates the entries: its cost must not grow with the number of requests in flight.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class HeldSplit:
     settled_blocks: int
     fresh_blocks: int
     settled_sequences: int
+    # When the most recently admitted settled entry was admitted (None: no settled entry).
+    newest_settled_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,11 @@ class Ledger(Protocol):
 
     def totals(self) -> LedgerTotals: ...
 
+    def remaining_output_tokens(self) -> int:
+        """Output tokens the open entries still expect to produce: the sum over entries of
+        max(1, expected output - longest sequence so far), at least one while in flight."""
+        ...
+
     def held_split(self, settled_before: float) -> HeldSplit: ...
 
     def set_credit(self, kept_fraction: float, settled_before: float) -> None:
@@ -117,6 +126,11 @@ class InMemoryLedger:
         self._reserved = 0
         self._held = 0
         self._credit = 0
+        self._remaining = 0
+
+    @staticmethod
+    def _to_go(entry: LedgerEntry) -> int:
+        return max(1, entry.demand.expected_output_tokens - entry.longest_output)
 
     @staticmethod
     def _reserved_for(demand: Demand, longest_output: int) -> int:
@@ -139,6 +153,7 @@ class InMemoryLedger:
         self._entries[key] = entry
         self._reserved += entry.reserved_blocks
         self._held += entry.held_blocks
+        self._remaining += self._to_go(entry)
         return entry
 
     def grow(self, key: int, sequence: int, tokens: int) -> None:
@@ -152,7 +167,9 @@ class InMemoryLedger:
         counts[index] += tokens
         if counts[index] <= entry.longest_output:
             return
+        to_go = self._to_go(entry)
         entry.longest_output = counts[index]
+        self._remaining += self._to_go(entry) - to_go
         demand = entry.demand
         held = demand.blocks_at(min(entry.longest_output, demand.max_output_tokens))
         reserved = max(entry.reserved_blocks, self._reserved_for(demand, entry.longest_output))
@@ -168,6 +185,7 @@ class InMemoryLedger:
         self._reserved -= entry.reserved_blocks
         self._held -= entry.held_blocks
         self._credit -= entry.credit_blocks
+        self._remaining -= self._to_go(entry)
         return ClosedEntry(
             key=key,
             demand=entry.demand,
@@ -185,15 +203,21 @@ class InMemoryLedger:
             credit_blocks=self._credit,
         )
 
+    def remaining_output_tokens(self) -> int:
+        return self._remaining
+
     def held_split(self, settled_before: float) -> HeldSplit:
         settled = fresh = sequences = 0
+        newest: float | None = None
         for entry in self._entries.values():
             if entry.admitted_at <= settled_before:
                 settled += entry.held_blocks
                 sequences += entry.demand.sequences
+                if newest is None or entry.admitted_at > newest:
+                    newest = entry.admitted_at
             else:
                 fresh += entry.held_blocks
-        return HeldSplit(settled, fresh, sequences)
+        return HeldSplit(settled, fresh, sequences, newest)
 
     def set_credit(self, kept_fraction: float, settled_before: float) -> None:
         if not 0.0 <= kept_fraction <= 1.0:

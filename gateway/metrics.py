@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -137,62 +137,102 @@ class _LevelCollector(Collector):
         ]
 
 
+_Child = TypeVar("_Child", Counter, Histogram)
+
+
+class _Labelled(Generic[_Child]):
+    """A labelled metric whose children are looked up once per label set. prometheus_client's
+    own `labels()` takes a lock and rebuilds its key on every call, and several run on every
+    request; label sets are few and bounded here, so the cache is too."""
+
+    __slots__ = ("_children", "metric")
+
+    def __init__(self, metric: _Child) -> None:
+        self.metric: _Child = metric
+        self._children: dict[tuple[str, ...], _Child] = {}
+
+    def labels(self, *values: str) -> _Child:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class GatewayMetrics:
     """All kvgate_ metrics of one app, registered on `registry` (never the global one)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter(
-            "kvgate_requests", "Requests by final outcome", ["backend", "outcome"], registry=registry
+        self.requests = _Labelled(
+            Counter("kvgate_requests", "Requests by final outcome", ["backend", "outcome"], registry=registry)
         )
-        self.admitted = Counter(
-            "kvgate_admitted", "Requests admitted to a backend", ["backend", "priority"], registry=registry
+        self.admitted = _Labelled(
+            Counter(
+                "kvgate_admitted",
+                "Requests admitted to a backend",
+                ["backend", "priority"],
+                registry=registry,
+            )
         )
-        self.queue_wait = Histogram(
-            "kvgate_queue_wait_seconds",
-            "Time from arrival to admission or shedding",
-            ["backend", "priority"],
-            buckets=QUEUE_WAIT_BUCKETS_S,
-            registry=registry,
+        self.queue_wait = _Labelled(
+            Histogram(
+                "kvgate_queue_wait_seconds",
+                "Time from arrival to admission or shedding",
+                ["backend", "priority"],
+                buckets=QUEUE_WAIT_BUCKETS_S,
+                registry=registry,
+            )
         )
-        self.request_blocks = Histogram(
-            "kvgate_request_estimated_blocks",
-            "KV blocks reserved per admitted request (estimate)",
-            ["backend"],
-            buckets=BLOCK_BUCKETS,
-            registry=registry,
+        self.request_blocks = _Labelled(
+            Histogram(
+                "kvgate_request_estimated_blocks",
+                "KV blocks reserved per admitted request (estimate)",
+                ["backend"],
+                buckets=BLOCK_BUCKETS,
+                registry=registry,
+            )
         )
-        self.prediction_error = Histogram(
-            "kvgate_output_prediction_error_tokens",
-            "Completion tokens minus reserved tokens, per finished sequence",
-            ["backend"],
-            buckets=ERROR_BUCKETS_TOKENS,
-            registry=registry,
+        self.prediction_error = _Labelled(
+            Histogram(
+                "kvgate_output_prediction_error_tokens",
+                "Completion tokens minus reserved tokens, per finished sequence",
+                ["backend"],
+                buckets=ERROR_BUCKETS_TOKENS,
+                registry=registry,
+            )
         )
-        self.prediction_underruns = Counter(
-            "kvgate_output_reservation_exceeded",
-            "Finished sequences that outgrew their reserved output tokens",
-            ["backend"],
-            registry=registry,
+        self.prediction_underruns = _Labelled(
+            Counter(
+                "kvgate_output_reservation_exceeded",
+                "Finished sequences that outgrew their reserved output tokens",
+                ["backend"],
+                registry=registry,
+            )
         )
-        self.preemptions = Counter(
-            "kvgate_backend_preemptions",
-            "Preemptions the backend reported while kvgate watched",
-            ["backend"],
-            registry=registry,
+        self.preemptions = _Labelled(
+            Counter(
+                "kvgate_backend_preemptions",
+                "Preemptions the backend reported while kvgate watched",
+                ["backend"],
+                registry=registry,
+            )
         )
-        self.first_byte = Histogram(
-            "kvgate_time_to_first_byte_seconds",
-            "From arrival at the gateway to the first response byte from the backend",
-            ["backend"],
-            buckets=FIRST_BYTE_BUCKETS_S,
-            registry=registry,
+        self.first_byte = _Labelled(
+            Histogram(
+                "kvgate_time_to_first_byte_seconds",
+                "From arrival at the gateway to the first response byte from the backend",
+                ["backend"],
+                buckets=FIRST_BYTE_BUCKETS_S,
+                registry=registry,
+            )
         )
-        self.scrape_failures = Counter(
-            "kvgate_backend_scrape_failures",
-            "Failed scrapes of the backend's /metrics",
-            ["backend"],
-            registry=registry,
+        self.scrape_failures = _Labelled(
+            Counter(
+                "kvgate_backend_scrape_failures",
+                "Failed scrapes of the backend's /metrics",
+                ["backend"],
+                registry=registry,
+            )
         )
 
     def watch(self, source: GaugeSource) -> Collector:

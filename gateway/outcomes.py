@@ -12,6 +12,10 @@ from enum import StrEnum
 
 from gateway.admission import Decision, Reason
 
+# nginx's convention for "client closed the request": the status of a request whose client left
+# before any answer (nobody is left to read it; it shows in logs and /admin/state).
+CLIENT_CLOSED_STATUS = 499
+
 
 class Outcome(StrEnum):
     COMPLETED = "completed"

@@ -13,8 +13,9 @@ reports the outcome exactly once through `RelayObserver.on_finish`:
 - upstream failed: connect error (502), timeout (504), or a broken stream (an SSE `error` event,
   then end of stream, since the status line has already gone out).
 
-Timeouts are explicit: connect (httpx), first byte (from sending until the first body bytes:
-for a non-streaming answer that is the whole generation), and between chunks.
+Timeouts are explicit: connect, pool and write (the `Upstream`'s own, see `gateway.upstream`),
+first byte (from sending until the first body bytes: for a non-streaming answer that is the
+whole generation), and between chunks.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, UpstreamError, UpstreamTimeoutError, to_http
+from gateway.errors import GatewayError, InvalidRequestError, UpstreamError, UpstreamTimeoutError, to_http
 from gateway.outcomes import Outcome
 from gateway.sse import StreamTally, Usage, body_usage
+from gateway.upstream import Upstream, UpstreamRequest, UpstreamResponse
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset(
@@ -50,48 +51,59 @@ HOP_BY_HOP = frozenset(
 )
 # Request headers the gateway sets itself or keeps to itself.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
+_REQUEST_DROP_BYTES = frozenset(name.encode("latin-1") for name in _REQUEST_DROP)
 # The server in front of the client adds its own.
-_RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
-_KVGATE_PREFIX = "x-kvgate-"
+_RESPONSE_DROP = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | {"date", "server"})
+_KVGATE_PREFIX = b"x-kvgate-"
+# Relayed bytes are counted as they pass: they must not be compressed.
+_IDENTITY_ENCODING = (b"accept-encoding", b"identity")
+
+
+def _connection_tokens(pairs: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names a `Connection` header declares hop-by-hop (RFC 9110, section 7.6.1)."""
+    return frozenset(
+        token.strip().lower() for name, value in pairs if name == b"connection" for token in value.split(b",")
+    )
 
 
 def upstream_headers(
-    client_headers: Iterable[tuple[str, str]], *, api_key: str | None
-) -> list[tuple[str, str]]:
-    """Headers to send upstream: the client's, minus hop-by-hop ones, kvgate's own hints, and
-    the client's credentials when the gateway has its own key for the backend."""
-    pairs = [(name.lower(), value) for name, value in client_headers]
-    named_by_connection = {
-        token.strip().lower() for name, value in pairs if name == "connection" for token in value.split(",")
-    }
+    client_headers: Iterable[tuple[bytes, bytes]], *, authorization: bytes | None
+) -> list[tuple[bytes, bytes]]:
+    """Headers to send upstream: the client's (raw ASGI pairs, names lower-case), minus
+    hop-by-hop ones and kvgate's own hints, and minus the client's credentials when the gateway
+    has its own for the backend (`authorization`, the whole header value)."""
+    pairs = list(client_headers)
+    named_by_connection = _connection_tokens(pairs)
     kept = [
         (name, value)
         for name, value in pairs
-        if name not in _REQUEST_DROP
+        if name not in _REQUEST_DROP_BYTES
         and name not in named_by_connection
         and not name.startswith(_KVGATE_PREFIX)
-        and not (api_key is not None and name == "authorization")
+        and not (authorization is not None and name == b"authorization")
     ]
-    # Relayed bytes are counted as they pass: they must not be compressed.
-    kept.append(("accept-encoding", "identity"))
-    if api_key is not None:
-        kept.append(("authorization", f"Bearer {api_key}"))
+    kept.append(_IDENTITY_ENCODING)
+    if authorization is not None:
+        kept.append((b"authorization", authorization))
     return kept
 
 
 def downstream_headers(response_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The backend's response headers (names lower-case) minus hop-by-hop ones."""
     pairs = list(response_headers)
-    named_by_connection = {
-        token.strip().lower()
-        for name, value in pairs
-        if name.lower() == b"connection"
-        for token in value.split(b",")
-    }
+    named_by_connection = _connection_tokens(pairs)
     return [
         (name, value)
         for name, value in pairs
-        if name.lower().decode("latin-1") not in _RESPONSE_DROP and name.lower() not in named_by_connection
+        if name not in _RESPONSE_DROP and name not in named_by_connection
     ]
+
+
+def _header(pairs: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
+    for key, value in pairs:
+        if key == name:
+            return value
+    return b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,9 @@ class RelayResult:
     choices: int = 0
     first_byte_at: float | None = None
     error: str | None = None
+    # The connection to the backend failed (refused, closed or reset mid-response, garbled): a
+    # sign that the backend itself may be gone, unlike a timeout or an HTTP error status.
+    backend_failed: bool = False
 
 
 class RelayObserver(Protocol):
@@ -135,8 +150,8 @@ class RelayResponse(Response):
     def __init__(
         self,
         *,
-        client: httpx.AsyncClient,
-        request: httpx.Request,
+        upstream: Upstream,
+        request: UpstreamRequest,
         observer: RelayObserver,
         timeouts: RelayTimeouts,
         extra_headers: Mapping[str, str],
@@ -145,14 +160,14 @@ class RelayResponse(Response):
         # Starlette's Response.__init__ is bypassed: this class writes its own messages.
         self.status_code = 200
         self.background = None
-        self._client = client
+        self._upstream_client = upstream
         self._request = request
         self._observer = observer
         self._timeouts = timeouts
         self._extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra_headers.items()]
         self._clock = clock
         self._result = RelayResult()
-        self._upstream: httpx.Response | None = None
+        self._upstream: UpstreamResponse | None = None
 
     def _now(self) -> float:
         return self._clock()
@@ -213,63 +228,62 @@ class RelayResponse(Response):
         loop = asyncio.get_running_loop()
         first_byte_deadline = loop.time() + self._timeouts.first_byte_s
         try:
-            async with asyncio.timeout_at(first_byte_deadline):
-                upstream = await self._client.send(self._request, stream=True)
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            await self._send_error(
-                send, UpstreamTimeoutError(f"the backend did not answer in time ({type(exc).__name__})")
-            )
+            upstream = await self._upstream_client.send(self._request, first_byte_deadline)
+        except TimeoutError:
+            await self._send_error(send, UpstreamTimeoutError("the backend did not answer in time"))
             return Outcome.UPSTREAM_ERROR
-        except httpx.HTTPError as exc:
-            await self._send_error(send, UpstreamError(f"cannot reach the backend: {exc!r}"))
+        except UpstreamError as exc:  # UpstreamTimeoutError (504) included
+            self._result.backend_failed = not isinstance(exc, UpstreamTimeoutError)
+            await self._send_error(send, exc)
             return Outcome.UPSTREAM_ERROR
+        except ValueError as exc:  # a header that cannot be forwarded (a line break in it)
+            await self._send_error(send, InvalidRequestError(f"the request cannot be forwarded: {exc}"))
+            return Outcome.REJECTED_INVALID
         self._upstream = upstream
-        self._result.status = upstream.status_code
-        content_type = upstream.headers.get("content-type", "")
-        headers = downstream_headers(upstream.headers.raw) + self._extra
-        chunks = upstream.aiter_raw()
+        self._result.status = upstream.status
+        raw_headers = upstream.headers
+        content_type = _header(raw_headers, b"content-type")
+        headers = downstream_headers(raw_headers) + self._extra
 
         async def next_chunk(deadline: float | None) -> bytes | None:
-            try:
-                if deadline is not None:
-                    async with asyncio.timeout_at(deadline):
-                        return await anext(chunks)
-                async with asyncio.timeout(self._timeouts.between_chunks_s):
-                    return await anext(chunks)
-            except StopAsyncIteration:
-                return None
+            if deadline is None:
+                deadline = loop.time() + self._timeouts.between_chunks_s
+            return await upstream.receive(deadline) or None
 
-        if not content_type.startswith("text/event-stream"):
+        if not content_type.startswith(b"text/event-stream"):
             # A plain answer (JSON, an error): read it whole first, so a failure on the way can
             # still become a clean 502/504; these bodies are small.
-            body = bytearray()
+            parts: list[bytes] = []
             try:
                 chunk = await next_chunk(first_byte_deadline)
                 if chunk is not None:
                     self._result.first_byte_at = self._now()
                     self._observer.on_first_byte(self._result.first_byte_at)
                 while chunk is not None:
-                    body += chunk
+                    parts.append(chunk)
                     chunk = await next_chunk(None)
-            except (TimeoutError, httpx.TimeoutException):
+            except (TimeoutError, UpstreamTimeoutError):
                 await self._send_error(send, UpstreamTimeoutError("the backend stopped answering"))
                 return Outcome.UPSTREAM_ERROR
-            except httpx.HTTPError as exc:
-                await self._send_error(send, UpstreamError(f"the backend broke off its answer: {exc!r}"))
+            except UpstreamError as exc:
+                self._result.backend_failed = True
+                await self._send_error(
+                    send, UpstreamError(f"the backend broke off its answer: {exc.message}")
+                )
                 return Outcome.UPSTREAM_ERROR
-            if 200 <= upstream.status_code < 300:
-                self._result.usage, self._result.choices = body_usage(bytes(body))
             await self._send(
-                send, {"type": "http.response.start", "status": upstream.status_code, "headers": headers}
+                send, {"type": "http.response.start", "status": upstream.status, "headers": headers}
             )
-            await self._send(send, {"type": "http.response.body", "body": bytes(body), "more_body": False})
-            return _status_outcome(upstream.status_code)
+            answer = b"".join(parts)
+            await self._send(send, {"type": "http.response.body", "body": answer, "more_body": False})
+            # Read only to learn from: after the client has its answer.
+            if 200 <= upstream.status < 300:
+                self._result.usage, self._result.choices = body_usage(answer)
+            return _status_outcome(upstream.status)
 
         self._result.streamed = True
         tally = StreamTally()
-        await self._send(
-            send, {"type": "http.response.start", "status": upstream.status_code, "headers": headers}
-        )
+        await self._send(send, {"type": "http.response.start", "status": upstream.status, "headers": headers})
         deadline: float | None = first_byte_deadline
         try:
             while True:
@@ -283,20 +297,14 @@ class RelayResponse(Response):
                 for choice, tokens in tally.feed(chunk):
                     self._observer.on_tokens(choice, tokens)
                 await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
-        except (TimeoutError, httpx.TimeoutException, httpx.HTTPError) as exc:
-            timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
-            message = (
-                "the backend stopped streaming" if timed_out else f"the backend broke off the stream: {exc!r}"
-            )
+        except (TimeoutError, UpstreamError) as exc:
+            if isinstance(exc, UpstreamError) and not isinstance(exc, UpstreamTimeoutError):
+                message, code = f"the backend broke off the stream: {exc.message}", 502
+                self._result.backend_failed = True
+            else:
+                message, code = "the backend stopped streaming", 504
             self._result.error = message
-            event = {
-                "error": {
-                    "message": message,
-                    "type": "upstream_error",
-                    "param": None,
-                    "code": 504 if timed_out else 502,
-                }
-            }
+            event = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
             payload = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
             await self._send(send, {"type": "http.response.body", "body": payload, "more_body": False})
             self._finish_tally(tally)
@@ -305,7 +313,7 @@ class RelayResponse(Response):
         self._finish_tally(tally)
         if tally.error:
             return Outcome.UPSTREAM_ERROR
-        return _status_outcome(upstream.status_code)
+        return _status_outcome(upstream.status)
 
     def _finish_tally(self, tally: StreamTally) -> None:
         self._result.usage = tally.usage

@@ -9,8 +9,14 @@
 - `GET /healthz`: the process answers. `GET /readyz`: 200 only when the backend's models are
   known, a tokenizer is loaded and the budget is fresh; otherwise 503 and why.
 - `GET /metrics`: the gateway's own Prometheus metrics.
-- `GET /admin/state`: budget, ledger, queue, backend and output-length model as JSON; needs
-  the admin token (`Authorization: Bearer ...` or `X-Kvgate-Admin-Token`) when one is set.
+- `GET /admin/state`: budget, ledger, queue, backend, output-length model and the latest
+  requests as JSON; needs the admin token (`Authorization: Bearer ...` or
+  `X-Kvgate-Admin-Token`) when one is set.
+- `GET /dashboard`: a self-contained status page that polls `/admin/state` from the browser.
+  The page holds no data, so it is served without the token; the browser sends the token the
+  user types in with each poll (see `gateway.dashboard`).
+
+Every response carries `x-request-id` (see `gateway.request_id`).
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route as StarletteRoute
+from starlette.types import Receive, Scope, Send
 
 from estimator.tokens import Route
+from gateway.dashboard import DashboardPage, load_page
 from gateway.errors import (
     BodyTooLargeError,
     GatewayError,
@@ -39,13 +48,13 @@ from gateway.errors import (
     to_http,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.outcomes import Outcome
+from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome
+from gateway.process_stats import process_stats
+from gateway.request_id import RequestIdMiddleware, request_id_of
 from gateway.service import BackendGateway, ClientGoneError
 from gateway.settings import Settings
 
 SERVED_V1_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-# nginx's convention for "client closed the request"; nobody is left to read it.
-CLIENT_CLOSED_STATUS = 499
 
 
 def error_response(error: GatewayError, extra_headers: dict[str, str] | None = None) -> Response:
@@ -80,17 +89,16 @@ def _parse_json(raw: bytes) -> Any:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
 
 
-async def _generation(request: Request, route: Route) -> Response:
+async def _generation(request: Request, route: Route, path: str) -> Response:
     gateway = _gateway(request)
     arrived_at = gateway.clock()
+    request_id = request_id_of(request.scope)
     try:
         raw = await _read_body(request, gateway.settings.max_body_bytes)
         body = _parse_json(raw)
-        prepared = await gateway.prepare(route, body, raw, request.headers, arrived_at)
+        prepared = await gateway.prepare(route, body, raw, request.headers, arrived_at, request_id)
     except GatewayError as exc:
-        gateway.metrics.outcome(
-            gateway.name, Outcome.REJECTED_INVALID if exc.status < 500 else Outcome.SHED_UNAVAILABLE
-        )
+        gateway.refused_early(request_id, route, exc, arrived_at)
         return error_response(exc)
     entered_at = gateway.clock()
     try:
@@ -106,8 +114,8 @@ async def _generation(request: Request, route: Route) -> Response:
         )
     # No await between admission and handing the reservation to the response that completes it.
     try:
-        return gateway.relay(reservation, request.headers.items(), request.url.path)
-    except (ValueError, httpx.HTTPError) as exc:  # e.g. a header httpx cannot encode
+        return gateway.relay(reservation, request.scope["headers"], path)
+    except ValueError as exc:  # e.g. a header that cannot be forwarded
         reservation.finish(Outcome.REJECTED_INVALID, None, gateway.clock())
         return error_response(InvalidRequestError(f"the request cannot be forwarded: {exc}"))
     except BaseException:
@@ -115,12 +123,24 @@ async def _generation(request: Request, route: Route) -> Response:
         raise
 
 
-async def chat_completions(request: Request) -> Response:
-    return await _generation(request, Route.CHAT)
+class GenerationEndpoint:
+    """The ASGI app of one generation route (`path` on the backend too). A plain ASGI app
+    rather than a FastAPI endpoint: it has no parameters to validate, and FastAPI's
+    per-request machinery would be a noticeable share of the proxy's cost."""
+
+    def __init__(self, route: Route, path: str) -> None:
+        self.route = route
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await _generation(Request(scope, receive), self.route, self.path)
+        await response(scope, receive, send)
 
 
-async def completions(request: Request) -> Response:
-    return await _generation(request, Route.COMPLETIONS)
+GENERATION_ENDPOINTS = {
+    "/v1/chat/completions": GenerationEndpoint(Route.CHAT, "/v1/chat/completions"),
+    "/v1/completions": GenerationEndpoint(Route.COMPLETIONS, "/v1/completions"),
+}
 
 
 async def list_models(request: Request) -> Response:
@@ -192,7 +212,18 @@ async def admin_state(request: Request) -> Response:
     gateway = _gateway(request)
     if not _admin_allowed(request, gateway.settings):
         return error_response(UnauthorizedError("the admin token is missing or wrong"))
-    return JSONResponse({"backends": [gateway.describe()], "settings": gateway.settings.public_view()})
+    return JSONResponse(
+        {
+            "backends": [gateway.describe()],
+            "settings": gateway.settings.public_view(),
+            "process": process_stats().to_json(),
+        }
+    )
+
+
+async def dashboard(request: Request) -> Response:
+    page: DashboardPage = request.app.state.dashboard_page
+    return Response(page.html, media_type="text/html; charset=utf-8", headers=page.headers)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -205,8 +236,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 def install(app: FastAPI, metrics_registry: GatewayMetrics) -> None:
     app.state.metrics = metrics_registry
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=True)
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    for path, endpoint in GENERATION_ENDPOINTS.items():
+        app.router.routes.append(StarletteRoute(path, endpoint, methods=["POST"]))
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route(
         "/v1/{path:path}",
@@ -218,4 +249,7 @@ def install(app: FastAPI, metrics_registry: GatewayMetrics) -> None:
     app.add_api_route("/readyz", readyz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/admin/state", admin_state, methods=["GET"])
+    app.state.dashboard_page = load_page()
+    app.add_api_route("/dashboard", dashboard, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_middleware(RequestIdMiddleware)

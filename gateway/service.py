@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,19 +59,24 @@ from gateway.errors import (
     ShedError,
     UnavailableError,
 )
-from gateway.ledger import InMemoryLedger, Ledger
+from gateway.ledger import ClosedEntry, InMemoryLedger, Ledger
+from gateway.logs import REQUEST_LOGGER, log_request
 from gateway.metrics import GatewayMetrics, GaugeReadings
-from gateway.outcomes import Outcome, outcome_of_refusal
+from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome, outcome_of_refusal
 from gateway.output_model import OutputKey, OutputLengthModel, OutputPrediction
 from gateway.proxy import RelayResponse, RelayResult, RelayTimeouts, upstream_headers
 from gateway.rates import BusyClock, DecayingRate, Ewma
+from gateway.recent import RecentRequests, RequestSummary
+from gateway.request_id import REQUEST_ID_HEADER, new_request_id
 from gateway.settings import Settings
+from gateway.upstream import Upstream, UpstreamRequest
 from gateway.waitqueue import QueueEntry, WaitQueue
 
 log = logging.getLogger(__name__)
 
 # How often /v1/models is read again once known (a restarted vLLM may serve another limit).
 DISCOVERY_REFRESH_S = 30.0
+_REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode("latin-1")
 # Smoothing of the service-time estimates netted out of client deadlines.
 SERVICE_TIME_EWMA_ALPHA = 0.1
 
@@ -119,6 +124,7 @@ class Prepared:
     prediction: OutputPrediction
     output_key: OutputKey
     ask: Ask
+    request_id: str
 
 
 class Reservation:
@@ -174,6 +180,7 @@ class BackendGateway:
         settings: Settings,
         *,
         client: httpx.AsyncClient,
+        upstream: Upstream,
         clock: Callable[[], float],
         metrics: GatewayMetrics,
         executor: ThreadPoolExecutor,
@@ -183,7 +190,8 @@ class BackendGateway:
         self.settings = settings
         self.name = settings.backend_name
         self.clock = clock
-        self.client = client
+        self.client = client  # discovery, /metrics, /v1/models
+        self.upstream = upstream  # the generation requests
         self.metrics = metrics
         self._executor = executor
         self.counter = token_counter
@@ -206,8 +214,10 @@ class BackendGateway:
         )
         self.info: BackendInfo | None = None
         self._backend_headers: dict[str, str] = {}
+        self._authorization: bytes | None = None
         if settings.backend_api_key is not None:
             self._backend_headers["authorization"] = f"Bearer {settings.backend_api_key.get_secret_value()}"
+            self._authorization = self._backend_headers["authorization"].encode("latin-1")
         self.poller = MetricsPoller(
             client=client,
             url=f"{settings.backend_url}/metrics",
@@ -221,6 +231,8 @@ class BackendGateway:
         self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
         self._keys = itertools.count(1)
         self._pending_counts = 0
+        self.recent = RecentRequests(settings.recent_requests)
+        self._request_log = logging.getLogger(REQUEST_LOGGER)
         self._tasks: list[asyncio.Task[None]] = []
         self.inflight: dict[int, Reservation] = {}
 
@@ -297,16 +309,11 @@ class BackendGateway:
         projected = None
         per_token_s = self.seconds_per_output_token.value
         if per_token_s:
-            blocks = 0
-            remaining_s = 0.0
-            count = 0
-            for entry in self.ledger.entries():
-                blocks += entry.reserved_blocks
-                to_go = max(1, entry.demand.expected_output_tokens - entry.longest_output)
-                remaining_s += to_go * per_token_s
-                count += 1
-            if count and remaining_s > 0:
-                projected = blocks / (remaining_s / count)
+            # From the ledger's running sums: this runs on every queue pump (O(1), not O(n)).
+            totals = self.ledger.totals()
+            remaining_s = self.ledger.remaining_output_tokens() * per_token_s
+            if totals.entries and remaining_s > 0:
+                projected = totals.reserved_blocks / (remaining_s / totals.entries)
         candidates = [rate for rate in (observed, projected) if rate is not None]
         return max(candidates) if candidates else None
 
@@ -413,12 +420,19 @@ class BackendGateway:
                 "min_samples": self.output_model.min_samples,
                 "keys": self.output_model.describe(),
             },
+            "recent": self.recent.describe(now),
         }
 
     # -- the request path -----------------------------------------------------------------
 
     async def prepare(
-        self, route: Route, body: Any, raw_body: bytes, headers: Mapping[str, str], arrived_at: float
+        self,
+        route: Route,
+        body: Any,
+        raw_body: bytes,
+        headers: Mapping[str, str],
+        arrived_at: float,
+        request_id: str | None = None,
     ) -> Prepared:
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
@@ -446,7 +460,7 @@ class BackendGateway:
         except HintError as exc:
             raise InvalidRequestError(exc.message, param=exc.header) from exc
 
-        prompt = await self._count(counter, route, body)
+        prompt = await self._count(counter, route, body, len(raw_body))
         reading = self.budget.reading
         if reading is None:
             raise UnavailableError(
@@ -485,9 +499,30 @@ class BackendGateway:
             arrived_at=arrived_at,
             deadline_at=deadline_at,
         )
-        return Prepared(route, body, raw_body, served.id, streaming, prompt, demand, prediction, key, ask)
+        return Prepared(
+            route,
+            body,
+            raw_body,
+            served.id,
+            streaming,
+            prompt,
+            demand,
+            prediction,
+            key,
+            ask,
+            request_id if request_id is not None else new_request_id(),
+        )
 
-    async def _count(self, counter: TokenCounter, route: Route, body: Mapping[str, Any]) -> PromptCount:
+    async def _count(
+        self, counter: TokenCounter, route: Route, body: Mapping[str, Any], body_bytes: int
+    ) -> PromptCount:
+        """Count the prompt: small bodies here (see DEFAULT_TOKENIZER_INLINE_MAX_BYTES), the
+        rest in the tokenizer pool, so that the event loop is never held for long."""
+        if body_bytes <= self.settings.tokenizer_inline_max_bytes:
+            try:
+                return counter.count(route, body)
+            except RequestBodyError as exc:
+                raise InvalidRequestError(exc.message, param=exc.param) from exc
         if self._pending_counts >= self.settings.tokenizer_max_pending:
             raise UnavailableError(
                 "the gateway's tokenizer is saturated", retry_after_s=self.settings.retry_after_s
@@ -517,14 +552,14 @@ class BackendGateway:
             if not self.queue.leave(entry):
                 reservation.finish(Outcome.CLIENT_GONE, None, self.clock())
             else:
-                self._record_queue_exit(prepared, entry, Outcome.CLIENT_GONE)
+                self._record_queue_exit(prepared, entry, Outcome.CLIENT_GONE, CLIENT_CLOSED_STATUS)
             raise
         decision = entry.future.result()
         if decision.kind is DecisionKind.ADMIT:
             return reservation
-        outcome = outcome_of_refusal(decision)
-        self._record_queue_exit(prepared, entry, outcome)
-        raise self._refusal(decision, prepared)
+        refusal = self._refusal(decision, prepared)
+        self._record_queue_exit(prepared, entry, outcome_of_refusal(decision), refusal.status)
+        raise refusal
 
     async def _wait(self, entry: QueueEntry, receive: Receive | None) -> None:
         if receive is None:
@@ -539,10 +574,29 @@ class BackendGateway:
         if not entry.future.done():
             raise ClientGoneError()
 
-    def _record_queue_exit(self, prepared: Prepared, entry: QueueEntry, outcome: Outcome) -> None:
-        waited = (entry.resolved_at or self.clock()) - entry.entered_at
-        self.metrics.queue_wait.labels(self.name, prepared.ask.priority.value).observe(max(0.0, waited))
-        self.metrics.outcome(self.name, outcome)
+    def _record_queue_exit(
+        self, prepared: Prepared, entry: QueueEntry, outcome: Outcome, status: int
+    ) -> None:
+        now = self.clock()
+        waited = max(0.0, (entry.resolved_at or now) - entry.entered_at)
+        self.metrics.queue_wait.labels(self.name, prepared.ask.priority.value).observe(waited)
+        self.conclude(_summary(self.name, prepared, outcome, status, now, queue_s=waited))
+
+    def conclude(self, summary: RequestSummary) -> None:
+        """Record a request's final outcome: the one place it is counted, kept for
+        /admin/state and logged. Called exactly once per request."""
+        self.metrics.outcome(self.name, summary.outcome)
+        self.recent.add(summary)
+        log_request(self._request_log, summary)
+
+    def refused_early(self, request_id: str, route: Route, error: GatewayError, arrived_at: float) -> None:
+        """Conclude a request refused before it was prepared (invalid, or no backend yet)."""
+        outcome = Outcome.REJECTED_INVALID if error.status < 500 else Outcome.SHED_UNAVAILABLE
+        self.conclude(
+            RequestSummary(
+                request_id, self.name, route.value, outcome, error.status, arrived_at, self.clock()
+            )
+        )
 
     def _refusal(self, decision: Decision, prepared: Prepared) -> GatewayError:
         retry_s = decision.retry_after_s or self.settings.retry_after_s
@@ -572,21 +626,19 @@ class BackendGateway:
         )
 
     def relay(
-        self, reservation: Reservation, request_headers: list[tuple[str, str]], path: str
+        self, reservation: Reservation, request_headers: Iterable[tuple[bytes, bytes]], path: str
     ) -> RelayResponse:
+        """The response that forwards an admitted request; `request_headers` are the client's
+        raw ASGI header pairs. Raises ValueError when a header cannot be forwarded."""
         prepared = reservation.prepared
-        api_key = self.settings.backend_api_key
-        request = self.client.build_request(
-            "POST",
-            f"{self.settings.backend_url}{path}",
-            content=prepared.raw_body,
-            headers=upstream_headers(
-                request_headers, api_key=api_key.get_secret_value() if api_key else None
-            ),
-        )
+        headers = upstream_headers(request_headers, authorization=self._authorization)
+        # vLLM logs under this id: the same one as kvgate's log line and response header.
+        headers = [pair for pair in headers if pair[0] != _REQUEST_ID_HEADER]
+        headers.append((_REQUEST_ID_HEADER, prepared.request_id.encode("latin-1")))
+        request = UpstreamRequest(b"POST", path.encode("latin-1"), headers, prepared.raw_body)
         queued_s = reservation.queue_seconds
         return RelayResponse(
-            client=self.client,
+            upstream=self.upstream,
             request=request,
             observer=reservation,
             timeouts=self._timeouts,
@@ -620,7 +672,11 @@ class BackendGateway:
         closed = self.ledger.close(reservation.key)
         if closed is not None:
             self.drain.add(closed.reserved_blocks, busy_s)
-        self.metrics.outcome(self.name, outcome)
+        self.conclude(_finished_summary(self.name, reservation, outcome, result, closed, now))
+        if result is not None and result.backend_failed:
+            # The backend may be gone: hold admissions until a new scrape says otherwise.
+            self.budget.suspect(now)
+            self.poller.poke()
         if outcome is Outcome.COMPLETED and result is not None:
             self._learn(reservation, result, closed.output_tokens if closed else (), now)
         self.queue.pump()
@@ -650,6 +706,77 @@ class BackendGateway:
                     self.seconds_per_output_token.add((now - result.first_byte_at) / (longest - 1))
             elif not result.streamed:
                 self.seconds_per_output_token.add((now - reservation.admitted_at) / longest)
+
+
+def _summary(
+    backend: str,
+    prepared: Prepared,
+    outcome: Outcome,
+    status: int | None,
+    now: float,
+    *,
+    queue_s: float,
+    actual_blocks: int | None = None,
+    completion_tokens: int | None = None,
+) -> RequestSummary:
+    return RequestSummary(
+        request_id=prepared.request_id,
+        backend=backend,
+        route=prepared.route.value,
+        outcome=outcome,
+        status=status,
+        arrived_at=prepared.ask.arrived_at,
+        finished_at=now,
+        queue_s=queue_s,
+        priority=prepared.ask.priority.value,
+        model=prepared.model,
+        stream=prepared.streaming,
+        estimated_blocks=prepared.demand.reserved_blocks,
+        actual_blocks=actual_blocks,
+        prompt_tokens=prepared.prompt.tokens,
+        completion_tokens=completion_tokens,
+    )
+
+
+# The status a client was sent when the relay reported none (it never started).
+_STATUS_WITHOUT_RELAY = {Outcome.CLIENT_GONE: CLIENT_CLOSED_STATUS, Outcome.REJECTED_INVALID: 400}
+
+
+def _finished_summary(
+    backend: str,
+    reservation: Reservation,
+    outcome: Outcome,
+    result: RelayResult | None,
+    closed: ClosedEntry | None,
+    now: float,
+) -> RequestSummary:
+    """The summary of an admitted request. Output tokens come from the backend's usage when
+    it sent one, else from the ledger's count of streamed tokens; actual blocks from the
+    ledger's count for a stream (exact per sequence), else from usage spread evenly over the
+    sequences."""
+    demand = reservation.prepared.demand
+    status = result.status if result is not None else None
+    if status is None:
+        status = _STATUS_WITHOUT_RELAY.get(outcome)
+    streamed = closed.output_tokens if closed is not None else ()
+    usage = result.usage.completion_tokens if result is not None and result.usage is not None else None
+    completion = usage if usage is not None else (sum(streamed) if any(streamed) else None)
+    actual = None
+    if any(streamed) and closed is not None:
+        actual = closed.held_blocks
+    elif usage is not None:
+        per_sequence = math.ceil(usage / demand.sequences)
+        actual = demand.blocks_at(min(per_sequence, demand.max_output_tokens))
+    return _summary(
+        backend,
+        reservation.prepared,
+        outcome,
+        status,
+        now,
+        queue_s=reservation.queue_seconds,
+        actual_blocks=actual,
+        completion_tokens=completion,
+    )
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

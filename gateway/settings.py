@@ -73,6 +73,15 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # Tokenization, off the event loop.
 DEFAULT_TOKENIZER_THREADS = 2
 DEFAULT_TOKENIZER_MAX_PENDING = 512
+# Bodies up to this size are counted on the event loop instead: handing one to a thread costs
+# about as much as counting it (more under load, when the thread waits for the GIL). Counting
+# runs at roughly 0.25 us per body byte plus ~0.1 ms to render a chat template (testbed
+# tokenizer, tests/benchmarks/token_count.py), so 1 KiB holds the loop for about 0.3 ms at most.
+DEFAULT_TOKENIZER_INLINE_MAX_BYTES = 1024
+
+# Observability: summaries of the last requests kept for /admin/state and /dashboard.
+DEFAULT_RECENT_REQUESTS = 100
+MAX_RECENT_REQUESTS = 10_000
 
 
 class Settings(BaseSettings):
@@ -92,6 +101,9 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     backend_api_key: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # "json": one JSON object per log line (see gateway.logs); "text": human-readable lines.
+    log_format: Literal["text", "json"] = "text"
+    recent_requests: int = Field(DEFAULT_RECENT_REQUESTS, ge=0, le=MAX_RECENT_REQUESTS)
 
     # Budget (measure).
     metrics_poll_interval_s: float = Field(DEFAULT_METRICS_POLL_INTERVAL_S, gt=0, le=60)
@@ -141,6 +153,15 @@ class Settings(BaseSettings):
     # Tokenization.
     tokenizer_threads: int = Field(DEFAULT_TOKENIZER_THREADS, ge=1, le=64)
     tokenizer_max_pending: int = Field(DEFAULT_TOKENIZER_MAX_PENDING, ge=1)
+    tokenizer_inline_max_bytes: int = Field(DEFAULT_TOKENIZER_INLINE_MAX_BYTES, ge=0, le=64 * 1024)
+
+    @field_validator("backend_api_key")
+    @classmethod
+    def _header_safe(cls, value: SecretStr | None) -> SecretStr | None:
+        # It is sent as a header value: printable ASCII only, or requests would be refused.
+        if value is not None and not all(" " <= ch <= "~" for ch in value.get_secret_value()):
+            raise ValueError("must be printable ASCII (it is sent in the Authorization header)")
+        return value
 
     @field_validator("backend_url")
     @classmethod

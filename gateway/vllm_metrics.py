@@ -27,6 +27,9 @@ class VllmMetric(StrEnum):
     WAITING = "vllm:num_requests_waiting"
     PREEMPTIONS = "vllm:num_preemptions_total"
     CACHE_CONFIG = "vllm:cache_config_info"
+    # The sample count of the per-step token histogram: one per engine step, whatever the step
+    # did (a prefill chunk or a decode). It moves whenever vLLM works on anything.
+    ENGINE_STEPS = "vllm:iteration_tokens_total_count"
 
 
 # Every name a quantity has been exported under, newest first. vLLM's V0 engine called the KV
@@ -38,6 +41,7 @@ METRIC_NAMES: Mapping[VllmMetric, tuple[str, ...]] = {
     VllmMetric.WAITING: ("vllm:num_requests_waiting",),
     VllmMetric.PREEMPTIONS: ("vllm:num_preemptions_total", "vllm:num_preemptions"),
     VllmMetric.CACHE_CONFIG: ("vllm:cache_config_info",),
+    VllmMetric.ENGINE_STEPS: ("vllm:iteration_tokens_total_count",),
 }
 
 _CANONICAL: Mapping[str, VllmMetric] = {
@@ -77,6 +81,9 @@ class BackendReading:
     denominator vLLM's usage gauge has. `used_blocks` is a float: vLLM reports a usage fraction, and rounding it would hide the
     difference between one block and none on small pools. `preemptions_total` is None when the
     backend does not export the counter (the AIMD controller then stays where it is).
+    `engine_steps_total` counts the engine steps run so far (None when not exported): a value
+    that does not move while requests are in flight means vLLM is not working on them, or that
+    its metrics are frozen.
     """
 
     total_blocks: int
@@ -87,6 +94,7 @@ class BackendReading:
     preemptions_total: float | None
     engines: int
     prefix_caching: bool | None
+    engine_steps_total: float | None = None
 
     @property
     def usage(self) -> float:
@@ -149,6 +157,7 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
     seen_running = seen_waiting = False
     preemption_rank = 1 << 30
     preemption_by_rank: dict[int, float] = {}
+    steps: float | None = None
 
     for sample in samples:
         metric = _CANONICAL.get(sample.name)
@@ -177,6 +186,8 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
             value = _finite(sample.value, sample.name)
             preemption_by_rank[rank] = preemption_by_rank.get(rank, 0.0) + value
             preemption_rank = min(preemption_rank, rank)
+        elif metric is VllmMetric.ENGINE_STEPS:
+            steps = (steps or 0.0) + _finite(sample.value, sample.name)
 
     if preemption_by_rank:
         preemptions = preemption_by_rank[preemption_rank]
@@ -216,4 +227,5 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
         preemptions_total=preemptions,
         engines=len(configured),
         prefix_caching=prefix_flags.pop() if len(prefix_flags) == 1 else None,
+        engine_steps_total=steps,
     )

@@ -85,6 +85,8 @@ def ask(
             Reason.BUDGET_UNKNOWN,
         ),
         (ask(5), budget(0, known=False, state=BudgetState.DOWN), 0.0, DecisionKind.SHED, Reason.BACKEND_DOWN),
+        # Suspect (a request just failed to reach the backend): wait in the queue for the next scrape.
+        (ask(5), budget(50, known=False, state=BudgetState.SUSPECT), 0.0, None, None),
         (ask(5, deadline=1.0), budget(50), 1.0, DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE),
     ],
 )

@@ -153,6 +153,24 @@ def test_unreachable_backend_goes_down_and_recovers() -> None:
     assert budget.state(11.0) is BudgetState.FRESH
 
 
+def test_a_failed_request_makes_the_budget_suspect_until_a_newer_scrape() -> None:
+    budget = KvBudget(replace(CONFIG, unknown_is_saturated=False), InMemoryLedger())
+    budget.observe(reading(0.0), started_at=10.0, now=10.0)
+    budget.suspect(now=10.1)
+    snapshot = budget.snapshot(10.1)
+    assert snapshot.state is BudgetState.SUSPECT
+    assert not snapshot.known  # even when configured to trust the ledger alone
+    budget.observe(reading(0.0), started_at=10.05, now=10.15)  # began before the failure
+    assert budget.state(10.15) is BudgetState.SUSPECT
+    budget.observe(reading(0.0), started_at=10.2, now=10.25)
+    assert budget.state(10.25) is BudgetState.FRESH
+    # Suspect, then unreachable scrapes: down wins.
+    budget.suspect(now=11.0)
+    budget.observe_failure("refused", unreachable=True, now=11.1)
+    budget.observe_failure("refused", unreachable=True, now=11.2)
+    assert budget.state(11.2) is BudgetState.DOWN
+
+
 def test_a_resized_pool_resets_the_counter_baseline() -> None:
     budget = KvBudget(CONFIG, InMemoryLedger())
     budget.observe(reading(0.0, preemptions=50.0), started_at=0.0, now=0.0)

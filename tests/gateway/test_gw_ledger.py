@@ -141,8 +141,13 @@ def test_ledger_returns_to_zero_after_any_interleaving(ops: list[tuple[str, int,
         assert totals.reserved_blocks == sum(e.reserved_blocks for e in entries)
         assert totals.held_blocks == sum(e.held_blocks for e in entries)
         assert totals.credit_blocks == sum(e.credit_blocks for e in entries)
+        # What the drain-rate projection reads, kept as a running sum rather than recomputed.
+        assert ledger.remaining_output_tokens() == sum(
+            max(1, e.demand.expected_output_tokens - e.longest_output) for e in entries
+        )
         for entry in entries:
             assert 0 <= entry.credit_blocks <= entry.held_blocks <= entry.reserved_blocks
     for key in list(open_keys):
         ledger.close(key)
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
+    assert ledger.remaining_output_tokens() == 0
