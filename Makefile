@@ -36,6 +36,7 @@ demo: venv testbed
 	bash deploy/demo.sh $(DEMO_VLLM_PORT)
 
 demo-stop:
+	-test -f build/demo-kvgate.pid && kill $$(cat build/demo-kvgate.pid) && rm -f build/demo-kvgate.pid
 	$(BIN)/python tests/testbed/testbed.py stop --pidfile build/demo-vllm.pid
 
 clean:

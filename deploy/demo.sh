@@ -1,34 +1,73 @@
 #!/usr/bin/env bash
-# `make demo`: start the real vLLM CPU testbed and show kvgate's view of it.
-# Leaves vLLM running (stop it with `make demo-stop`).
+# `make demo`: the real vLLM CPU testbed, kvgate in front of it, and one burst through both.
+# Prints what the gateway changed and leaves both running (stop them with `make demo-stop`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-PORT="${1:-8000}"
-URL="http://127.0.0.1:$PORT"
+VLLM_PORT="${1:-8000}"
+KVGATE_PORT="${2:-8080}"
+VLLM="http://127.0.0.1:$VLLM_PORT"
+KVGATE="http://127.0.0.1:$KVGATE_PORT"
 MODEL="${KVGATE_CACHE_DIR:-$HOME/.cache/kvgate}/tiny-llama"
+PIN_GATEWAY=()
+if [[ $(nproc) -gt 1 ]] && command -v taskset >/dev/null; then
+    PIN_GATEWAY=(taskset -c 0)   # the engine has the last core; gateway and load share core 0
+fi
 mkdir -p build
 
-if ! curl -sf "$URL/health" >/dev/null; then
-    echo "== starting the vLLM testbed on $URL (about 100 s; log in build/demo-vllm.log)"
-    $BIN/python tests/testbed/testbed.py start --port "$PORT" --pidfile build/demo-vllm.pid \
+if ! curl -sf "$VLLM/health" >/dev/null; then
+    echo "== starting the vLLM testbed on $VLLM (about 100 s; log in build/demo-vllm.log)"
+    $BIN/python tests/testbed/testbed.py start --port "$VLLM_PORT" --pidfile build/demo-vllm.pid \
         --log build/demo-vllm.log >/dev/null
+fi
+if ! curl -sf "$KVGATE/healthz" >/dev/null; then
+    echo "== starting kvgate on $KVGATE in front of it (log in build/demo-kvgate.log)"
+    "${PIN_GATEWAY[@]}" $BIN/kvgate serve --backend "$VLLM" --port "$KVGATE_PORT" \
+        >build/demo-kvgate.log 2>&1 &
+    echo $! >build/demo-kvgate.pid
+    for _ in $(seq 120); do curl -sf "$KVGATE/readyz" >/dev/null && break; sleep 0.5; done
 fi
 
 echo
-echo "== what vLLM says about its KV pool (vllm:cache_config_info)"
-curl -s "$URL/metrics" | grep '^vllm:cache_config_info' | tr ',' '\n' \
-    | grep -E '^(block_size|num_gpu_blocks|kv_cache_size_tokens|kv_cache_max_concurrency)='
-
+echo "== what vLLM says about its KV pool, and what kvgate estimates for the same model and flags"
+curl -s "$VLLM/metrics" | grep '^vllm:cache_config_info' | tr ',' '\n' \
+    | grep -E '^(block_size|num_gpu_blocks|kv_cache_size_tokens)=' | tr '\n' ' '
 echo
-echo "== what kvgate estimates for the same model and flags"
 $BIN/kvgate estimate "$MODEL" --block-size 32 --max-model-len 1024 --num-gpu-blocks-override 64 \
-    --prompt-tokens 200 --max-tokens 400
+    --prompt-tokens 250 --max-tokens 300 --json \
+    | $BIN/python -c 'import json,sys; d=json.load(sys.stdin); print(f"kvgate estimate: {d[\"kv_bytes_per_token\"]} B/token, {d[\"num_blocks\"]} blocks of {d[\"block_size\"]}, {d[\"kv_cache_tokens\"]} tokens; a 250 + 300 token request takes {d[\"request_blocks\"]} blocks")'
 
 echo
-echo "== the same arithmetic for a real model: Llama-3.1-8B on one 80 GiB GPU"
-$BIN/kvgate estimate tests/fixtures/configs/llama-3.1-8b.json --gpu-memory-gib 80 --overhead-gib 2 \
-    --max-model-len 8192 --prompt-tokens 1500 --max-tokens 500
-
+echo "== a burst of 40 requests (150-300 prompt + 150-350 output tokens, 8 per second, clients"
+echo "   give up after 10 s), first straight to vLLM, then through kvgate (about 2 minutes)"
+"${PIN_GATEWAY[@]}" $BIN/kvgate bench --target "$VLLM" --target "$KVGATE" \
+    --synthetic "n=40,rate=8,prompt=uniform:150:300,output=uniform:150:350" \
+    --max-tokens 512 --deadline 10 --ttft-slo 2 --backend-metrics "$VLLM/metrics" \
+    --seed 7 --out build/demo-bench >/dev/null
+$BIN/python - <<'PY'
+import json
+summary = json.load(open("build/demo-bench/summary.json"))
+direct, gated = summary["targets"]
+def row(name, key, fmt="{:.0f}", sub=None):
+    a, b = direct.get(key), gated.get(key)
+    if sub:
+        a, b = (a or {}).get(sub), (b or {}).get(sub)
+    show = lambda v: "-" if v is None else fmt.format(v)
+    print(f"  {name:38} {show(a):>12} {show(b):>12}")
+print(f"  {'':38} {'vLLM':>12} {'via kvgate':>12}")
+row("finished within 10 s", "ok")
+row("late (client gave up)", "late")
+row("shed with Retry-After (429/503)", "shed")
+row("vLLM preemptions", "preemptions")
+row("useful output tokens/s", "useful_tokens_per_s", "{:.1f}")
+row("goodput with first token < 2 s, tok/s", "goodput_slo_tokens_per_s", "{:.1f}")
+row("backend tokens wasted", "backend_tokens_wasted")
+row("time to first token p50 (s)", "ttft_s", "{:.2f}", "p50")
+row("end-to-end p90 (s)", "e2e_s", "{:.2f}", "p90")
+row("Retry-After p50 (s)", "retry_after_s", "{:.2f}", "p50")
+PY
+echo "   full report: build/demo-bench/report.md (plots beside it)"
 echo
-echo "vLLM testbed: $URL (OpenAI API at $URL/v1, metrics at $URL/metrics); stop it with: make demo-stop"
+echo "vLLM:   $VLLM/v1  (metrics $VLLM/metrics)"
+echo "kvgate: $KVGATE/v1  (status page $KVGATE/dashboard, metrics $KVGATE/metrics)"
+echo "stop both with: make demo-stop"
