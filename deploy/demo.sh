@@ -35,7 +35,18 @@ curl -s "$VLLM/metrics" | grep '^vllm:cache_config_info' | tr ',' '\n' \
 echo
 $BIN/kvgate estimate "$MODEL" --block-size 32 --max-model-len 1024 --num-gpu-blocks-override 64 \
     --prompt-tokens 250 --max-tokens 300 --json \
-    | $BIN/python -c 'import json,sys; d=json.load(sys.stdin); print(f"kvgate estimate: {d[\"kv_bytes_per_token\"]} B/token, {d[\"num_blocks\"]} blocks of {d[\"block_size\"]}, {d[\"kv_cache_tokens\"]} tokens; a 250 + 300 token request takes {d[\"request_blocks\"]} blocks")'
+    | $BIN/python -c '
+import json, sys
+d = json.load(sys.stdin)
+print(f"kvgate estimate: {d['"'"'kv_bytes_per_token'"'"']} B/token, {d['"'"'num_blocks'"'"']} blocks of {d['"'"'block_size'"'"']}, "
+      f"{d['"'"'kv_cache_tokens'"'"']} tokens; a 250 + 300 token request takes {d['"'"'request_blocks'"'"']} blocks")'
+
+echo
+echo "== warming up kvgate's output-length model: 30 requests at 3 per second through kvgate"
+echo "   (a fresh gateway reserves each request's whole max_tokens until it has seen answers)"
+"${PIN_GATEWAY[@]}" $BIN/kvgate bench --target "$KVGATE" \
+    --synthetic "n=30,rate=3,prompt=uniform:150:300,output=uniform:150:350" \
+    --max-tokens 512 --seed 3 --out build/demo-warmup >/dev/null 2>&1
 
 echo
 echo "== a burst of 40 requests (150-300 prompt + 150-350 output tokens, 8 per second, clients"

@@ -33,12 +33,14 @@ known until a scrape that started after the failure succeeds. The backend may be
 admitting into its last reading would send the queue to nowhere; if it is gone, the failing
 scrapes mark it down and the queue is answered at once.
 
-Frozen metrics (a wedged exporter repeating old text, or an engine that stopped working) are
-told from a live engine by vLLM's engine-step counter: requests sent to vLLM make it step.
-Settled entries earn credit only when the engine has stepped since the newest of them was
-admitted (before that, vLLM may simply not have allocated it yet); and when scrapes keep
-showing settled requests in flight but no step for `stale_after_s`, the readings are refused as
-frozen and the budget goes stale from the moment they stopped moving.
+Frozen metrics (a wedged exporter repeating old text) look like an idle engine: no KV in use,
+which would earn every request in flight a full credit. Two guards, each against the state
+before the newest settled request was admitted: settled entries earn credit only when vLLM's
+engine-step counter has moved since (before that, vLLM may simply not have allocated the
+request yet); and when, with settled requests in flight, the scrape stays byte for byte what
+it was for `stale_after_s` (a live vLLM's text changes with every scrape: its process metrics
+alone see to that), the readings are refused as frozen and the budget goes stale from the
+moment they stopped changing.
 """
 
 from __future__ import annotations
@@ -51,6 +53,19 @@ from typing import Protocol
 
 from gateway.ledger import Ledger
 from gateway.vllm_metrics import BackendReading
+
+
+def _moved_since(
+    history: deque[tuple[float, float]], moment: float | None, value: float | None
+) -> bool | None:
+    """Whether `value` differs from the one of the last scrape parsed before `moment` (a
+    counter that went down, vLLM restarted, counts as moved). None when either is unknown."""
+    if moment is None or value is None:
+        return None
+    for parsed_at, before in reversed(history):
+        if parsed_at < moment:
+            return value != before
+    return None
 
 
 class BudgetState(StrEnum):
@@ -96,8 +111,18 @@ class AimdLimit:
         self._updated_at: float | None = None
         self.preemptions_seen = 0.0
 
-    def observe(self, preemptions_total: float | None, now: float) -> float:
-        """Feed one reading of the counter; returns the preemptions since the last reading."""
+    def reconfigure(self, config: CapacityConfig) -> None:
+        self._config = config
+        self.fraction = min(config.max_fraction, max(config.min_fraction, self.fraction))
+
+    def observe(self, preemptions_total: float | None, now: float, *, attributable: bool = True) -> float:
+        """Feed one reading of the counter; returns the preemptions since the last reading.
+
+        `attributable` says whether the gateway had requests in flight on this backend. When it
+        had none, the preemptions come from traffic that bypassed it: they are counted, but
+        shrinking the admissible share would only punish the gateway's future requests for
+        load it neither sent nor can see coming (that load shows up as external blocks).
+        """
         config = self._config
         if self._updated_at is not None:
             # Additive increase for the quiet time since the last update.
@@ -116,6 +141,7 @@ class AimdLimit:
             self._last_total = preemptions_total
         if seen > 0:
             self.preemptions_seen += seen
+        if seen > 0 and attributable:
             self._pressure_at = now
             if now - self._decreased_at >= config.decrease_cooldown_s:
                 self.fraction = max(config.min_fraction, self.fraction * config.decrease_factor)
@@ -165,9 +191,9 @@ class Reconciliation:
     kept_fraction: float
 
 
-# Engine-step counts of the recent scrapes, kept to tell whether the engine stepped since a
-# given moment (at the default 0.2 s interval: the last 200 s).
-STEP_HISTORY_SCRAPES = 1000
+# Engine-step counts and text digests of the recent scrapes, kept to tell whether anything
+# moved since a given moment (at the default 0.2 s interval: the last 200 s).
+HISTORY_SCRAPES = 1000
 
 
 class KvBudget:
@@ -185,8 +211,9 @@ class KvBudget:
         self._last_error = ""
         self._suspect_since: float | None = None
         # (parsed at, engine steps) of recent scrapes, oldest first.
-        self._steps: deque[tuple[float, float]] = deque(maxlen=STEP_HISTORY_SCRAPES)
-        # First scrape of a run showing settled requests in flight and no engine step.
+        self._steps: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
+        self._digests: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
+        # First scrape of a run showing settled requests in flight and a text that never changes.
         self._motionless_since: float | None = None
 
     @property
@@ -204,10 +231,13 @@ class KvBudget:
         config = self._config
         settled_before = started_at - config.settle_s
         split = self._ledger.held_split(settled_before)
-        stepped = self._stepped_since(split.newest_settled_at, reading.engine_steps_total)
+        stepped = _moved_since(self._steps, split.newest_settled_at, reading.engine_steps_total)
+        changed = _moved_since(self._digests, split.newest_settled_at, reading.digest)
         if reading.engine_steps_total is not None:
             self._steps.append((now, reading.engine_steps_total))
-        if stepped is False:
+        if reading.digest is not None:
+            self._digests.append((now, reading.digest))
+        if changed is False:
             if self._motionless_since is None:
                 self._motionless_since = started_at
             elif started_at - self._motionless_since >= config.stale_after_s:
@@ -215,8 +245,8 @@ class KvBudget:
                 if self._reading_at is not None:
                     self._reading_at = min(self._reading_at, self._motionless_since)
                 self.observe_failure(
-                    f"the metrics are frozen: requests are in flight but vLLM reports no engine step "
-                    f"for {started_at - self._motionless_since:.1f} s",
+                    f"the metrics are frozen: requests are in flight but vLLM's metrics have not "
+                    f"changed for {started_at - self._motionless_since:.1f} s",
                     unreachable=False,
                     now=now,
                 )
@@ -230,7 +260,12 @@ class KvBudget:
         external = 0
         if gap > slack:
             external = math.ceil(gap - slack - 1e-9)
-        elif used < split.settled_blocks and reading.waiting == 0 and stepped is not False:
+        elif (
+            used < split.settled_blocks
+            and reading.waiting == 0
+            and stepped is not False
+            and changed is not False
+        ):
             # Credit only an engine that has stepped since the newest settled request arrived:
             # otherwise vLLM may not have allocated it yet (or its metrics are not moving).
             kept = max(0.0, used / split.settled_blocks)
@@ -239,7 +274,8 @@ class KvBudget:
         if self.reading is not None and reading.total_blocks != self.reading.total_blocks:
             # vLLM came back with another pool: the old baseline of its counters is void.
             self.limit = AimdLimit(config)
-        preemptions = self.limit.observe(reading.preemptions_total, now)
+        in_flight = split.settled_sequences > 0 or split.settled_blocks > 0 or split.fresh_blocks > 0
+        preemptions = self.limit.observe(reading.preemptions_total, now, attributable=in_flight)
         self.reading = reading
         self._reading_at = started_at
         if self._suspect_since is not None and started_at >= self._suspect_since:
@@ -256,16 +292,10 @@ class KvBudget:
         self._last_error = error
         self.limit.observe(None, now)
 
-    def _stepped_since(self, moment: float | None, steps: float | None) -> bool | None:
-        """Whether the engine stepped after `moment`: compares `steps` with the last scrape
-        parsed before it. None when either is unknown (no counter, no such scrape kept)."""
-        if moment is None or steps is None:
-            return None
-        for parsed_at, before in reversed(self._steps):
-            if parsed_at < moment:
-                # A counter that went down means vLLM restarted: it has certainly run since.
-                return steps != before
-        return None
+    def reconfigure(self, config: CapacityConfig) -> None:
+        """Use `config` from now on (a settings reload); the AIMD share moves into its bounds."""
+        self._config = config
+        self.limit.reconfigure(config)
 
     def suspect(self, now: float) -> None:
         """A request failed to reach the backend at `now` (a connection refused or cut, not a

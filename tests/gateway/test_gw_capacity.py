@@ -211,13 +211,24 @@ def test_aimd(observations: list[tuple[float, float | None]], fractions: list[fl
 
 
 def test_aimd_shrinks_the_admissible_blocks() -> None:
-    budget = KvBudget(CONFIG, InMemoryLedger())
-    budget.observe(reading(0.0, preemptions=0.0), started_at=0.0, now=0.0)
-    budget.observe(reading(0.0, preemptions=2.0), started_at=0.2, now=0.2)
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(10), now=0.0)  # the gateway has a request in flight
+    budget = KvBudget(CONFIG, ledger)
+    budget.observe(reading(10.0, preemptions=0.0), started_at=0.0, now=0.0)
+    budget.observe(reading(10.0, preemptions=2.0), started_at=0.2, now=0.2)
     snapshot = budget.snapshot(0.3)
     assert snapshot.admissible_blocks == 80
     assert snapshot.pool_limit_blocks == 100  # a single request may still use the whole pool
     assert budget.limit.preemptions_seen == 2.0
+
+
+def test_preemptions_with_nothing_of_ours_in_flight_do_not_shrink_the_budget() -> None:
+    # Traffic that bypassed the gateway preempted itself: counted, but no reason to admit less.
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0, preemptions=0.0), started_at=0.0, now=0.0)
+    budget.observe(reading(40.0, preemptions=5.0), started_at=0.2, now=0.2)
+    assert budget.limit.fraction == 1.0
+    assert budget.limit.preemptions_seen == 5.0
 
 
 def test_config_refuses_inverted_bounds() -> None:
