@@ -69,6 +69,7 @@ class Reason(StrEnum):
     BUDGET_UNKNOWN = "budget_unknown"
     BACKEND_DOWN = "backend_down"
     EXCEEDS_POOL = "exceeds_pool"
+    SHUTTING_DOWN = "shutting_down"
 
 
 @dataclass(frozen=True, slots=True)

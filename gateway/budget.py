@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import zlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,7 +49,8 @@ def parse_metrics_text(text: str) -> BackendReading:
         ]
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise MetricsFormatError(f"malformed Prometheus text: {exc}") from exc
-    return read_backend(samples)
+    # The digest covers the whole text, not only the lines read: see KvBudget on frozen metrics.
+    return replace(read_backend(samples), digest=float(zlib.crc32(text.encode())))
 
 
 class MetricsPoller:
@@ -75,6 +78,12 @@ class MetricsPoller:
         self._headers = headers or {}
         self.failures = 0
         self._poked = asyncio.Event()
+
+    def reconfigure(self, *, interval_s: float, timeout_s: float) -> None:
+        """New interval and timeout, from the next scrape on (a settings reload)."""
+        self._interval_s = interval_s
+        self._timeout = httpx.Timeout(timeout_s)
+        self.poke()
 
     def poke(self) -> None:
         """Scrape now instead of at the next tick (a request just failed to reach the backend)."""

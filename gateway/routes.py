@@ -9,9 +9,12 @@
 - `GET /healthz`: the process answers. `GET /readyz`: 200 only when the backend's models are
   known, a tokenizer is loaded and the budget is fresh; otherwise 503 and why.
 - `GET /metrics`: the gateway's own Prometheus metrics.
-- `GET /admin/state`: budget, ledger, queue, backend, output-length model and the latest
-  requests as JSON; needs the admin token (`Authorization: Bearer ...` or
-  `X-Kvgate-Admin-Token`) when one is set.
+- `GET /admin/state`: budget, ledger, queue, backend, output-length model, the latest
+  requests and the process's own figures (tasks, descriptors, memory) as JSON.
+  `POST /admin/reload`: re-read the settings and apply those that may change at run time
+  (as SIGHUP does; see `gateway.lifecycle`). Both need the admin token
+  (`Authorization: Bearer ...` or `X-Kvgate-Admin-Token`) when one is set, and are off on a
+  non-loopback bind without one (`admin_api` in the settings).
 - `GET /dashboard`: a self-contained status page that polls `/admin/state` from the browser.
   The page holds no data, so it is served without the token; the browser sends the token the
   user types in with each poll (see `gateway.dashboard`).
@@ -21,6 +24,7 @@ Every response carries `x-request-id` (see `gateway.request_id`).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from typing import Any
@@ -48,6 +52,7 @@ from gateway.errors import (
     to_http,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import ADMIN_ERRORS, BACKEND_ERRORS, ErrorBody, install_openapi
 from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome
 from gateway.process_stats import process_stats
 from gateway.request_id import RequestIdMiddleware, request_id_of
@@ -197,21 +202,36 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _admin_allowed(request: Request, settings: Settings) -> bool:
+def _admin_refusal(request: Request, settings: Settings) -> Response | None:
+    """None when the request may use the admin API, else the answer to give it."""
+    if not settings.admin_enabled():
+        return error_response(
+            NotFoundError(
+                "the admin API is off: on a non-loopback bind it needs an admin token "
+                "(KVGATE_ADMIN_TOKEN) or admin_api = on",
+                code="admin_api_disabled",
+            )
+        )
     if settings.admin_token is None:
-        return True
-    expected = settings.admin_token.get_secret_value().encode()
+        return None
     offered = request.headers.get("x-kvgate-admin-token", "")
     authorization = request.headers.get("authorization", "")
     if authorization.lower().startswith("bearer "):
         offered = offered or authorization[7:].strip()
-    return hmac.compare_digest(offered.encode(), expected)
+    # Digests of equal length, compared in constant time: neither the token's bytes nor its
+    # length show in the time an answer takes.
+    expected = hashlib.sha256(settings.admin_token.get_secret_value().encode()).digest()
+    given = hashlib.sha256(offered.encode("utf-8", "surrogateescape")).digest()
+    if offered and hmac.compare_digest(given, expected):
+        return None
+    return error_response(UnauthorizedError("the admin token is missing or wrong"))
 
 
 async def admin_state(request: Request) -> Response:
     gateway = _gateway(request)
-    if not _admin_allowed(request, gateway.settings):
-        return error_response(UnauthorizedError("the admin token is missing or wrong"))
+    refusal = _admin_refusal(request, gateway.settings)
+    if refusal is not None:
+        return refusal
     return JSONResponse(
         {
             "backends": [gateway.describe()],
@@ -219,6 +239,20 @@ async def admin_state(request: Request) -> Response:
             "process": process_stats().to_json(),
         }
     )
+
+
+async def admin_reload(request: Request) -> Response:
+    """Re-read the settings and apply those that may change at run time (as SIGHUP does)."""
+    refusal = _admin_refusal(request, _gateway(request).settings)
+    if refusal is not None:
+        return refusal
+    reloader = getattr(request.app.state, "reloader", None)
+    if reloader is None:
+        return error_response(
+            NotFoundError("this kvgate has no settings source to reload from", code="reload_unavailable")
+        )
+    result = reloader.reload()
+    return JSONResponse(result.to_json(), status_code=200 if result.error is None else 400)
 
 
 async def dashboard(request: Request) -> Response:
@@ -238,7 +272,7 @@ def install(app: FastAPI, metrics_registry: GatewayMetrics) -> None:
     app.state.metrics = metrics_registry
     for path, endpoint in GENERATION_ENDPOINTS.items():
         app.router.routes.append(StarletteRoute(path, endpoint, methods=["POST"]))
-    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"], responses=BACKEND_ERRORS)
     app.add_api_route(
         "/v1/{path:path}",
         unserved_v1,
@@ -246,10 +280,19 @@ def install(app: FastAPI, metrics_registry: GatewayMetrics) -> None:
         include_in_schema=False,
     )
     app.add_api_route("/healthz", healthz, methods=["GET"])
-    app.add_api_route("/readyz", readyz, methods=["GET"])
+    app.add_api_route(
+        "/readyz", readyz, methods=["GET"], responses={503: {"description": "Not ready, and why"}}
+    )
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/admin/state", admin_state, methods=["GET"])
+    app.add_api_route("/admin/state", admin_state, methods=["GET"], responses=ADMIN_ERRORS)
+    app.add_api_route(
+        "/admin/reload",
+        admin_reload,
+        methods=["POST"],
+        responses={**ADMIN_ERRORS, 400: {"model": ErrorBody, "description": "Invalid settings"}},
+    )
     app.state.dashboard_page = load_page()
     app.add_api_route("/dashboard", dashboard, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_middleware(RequestIdMiddleware)
+    install_openapi(app)

@@ -98,9 +98,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {where}: {error['msg']}", file=sys.stderr)
         return EXIT_USAGE
 
-    import uvicorn
-
     from gateway.app import create_app
+    from gateway.lifecycle import serve
     from gateway.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
@@ -114,8 +113,11 @@ def run(args: argparse.Namespace) -> int:
     # which would otherwise walk all of it and stall every request in flight for tens of ms.
     gc.collect()
     gc.freeze()
-    uvicorn.run(
+    # SIGTERM drains, SIGHUP reloads from the same sources (see gateway.lifecycle).
+    serve(
         app,
+        settings,
+        load_settings=lambda: load_settings(overrides_from(args), config_file=args.config),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -235,6 +235,8 @@ class BackendGateway:
         self._request_log = logging.getLogger(REQUEST_LOGGER)
         self._tasks: list[asyncio.Task[None]] = []
         self.inflight: dict[int, Reservation] = {}
+        # Set by `begin_drain` (shutdown): nothing new is admitted from then on.
+        self.draining = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -252,6 +254,37 @@ class BackendGateway:
                 await task
         self._tasks = []
         self.queue.close(Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, self.settings.retry_after_s))
+
+    def begin_drain(self) -> int:
+        """Stop admitting, for a shutdown: readiness turns false, everyone queued is answered 503
+        with Retry-After at once, and so is every later arrival; requests in flight go on.
+        Returns how many queued requests were answered."""
+        self.draining = True
+        return self.queue.close(
+            Decision(DecisionKind.SHED, Reason.SHUTTING_DOWN, self.settings.retry_after_s)
+        )
+
+    def reconfigure(self, settings: Settings) -> None:
+        """Run with `settings` from now on (a reload: only fields in RELOADABLE_SETTINGS differ,
+        see `gateway.settings.reloaded`). Requests in flight keep what they were admitted with;
+        queued ones keep their deadlines."""
+        self.settings = settings
+        self.policy.config = policy_config(settings)
+        self.budget.reconfigure(capacity_config(settings))
+        self.output_model.quantile = settings.output_quantile
+        self.poller.reconfigure(
+            interval_s=settings.metrics_poll_interval_s, timeout_s=settings.metrics_timeout_s
+        )
+        self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
+        # Limits may have grown (or shrunk): decide for everyone waiting again.
+        self.queue.pump()
+
+    def _shutting_down(self) -> UnavailableError:
+        return UnavailableError(
+            "kvgate is shutting down; retry (another replica may take it)",
+            retry_after_s=self.settings.retry_after_s,
+            code=Reason.SHUTTING_DOWN.value,
+        )
 
     async def discover(self) -> BackendInfo:
         """Read /v1/models once; load the tokenizer the first time."""
@@ -321,6 +354,8 @@ class BackendGateway:
         return self.budget.snapshot(self.clock())
 
     def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "shutting down"
         if self.info is None:
             return False, "backend models not discovered yet"
         if self.counter is None:
@@ -434,6 +469,8 @@ class BackendGateway:
         arrived_at: float,
         request_id: str | None = None,
     ) -> Prepared:
+        if self.draining:
+            raise self._shutting_down()
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         info, counter = self.info, self.counter
@@ -523,6 +560,8 @@ class BackendGateway:
                 return counter.count(route, body)
             except RequestBodyError as exc:
                 raise InvalidRequestError(exc.message, param=exc.param) from exc
+            except (UnicodeError, TypeError) as exc:
+                raise _text_error(body) from exc
         if self._pending_counts >= self.settings.tokenizer_max_pending:
             raise UnavailableError(
                 "the gateway's tokenizer is saturated", retry_after_s=self.settings.retry_after_s
@@ -534,12 +573,22 @@ class BackendGateway:
             )
         except RequestBodyError as exc:
             raise InvalidRequestError(exc.message, param=exc.param) from exc
+        except (UnicodeError, TypeError) as exc:
+            raise _text_error(body) from exc
         finally:
             self._pending_counts -= 1
 
     async def admit(self, prepared: Prepared, receive: Receive | None) -> Reservation:
         """Wait for admission. Raises a GatewayError when shed or rejected, ClientGone when
         the client left while queued. The returned reservation is open in the ledger."""
+        if self.draining:  # began while this one was being prepared
+            closing = self._shutting_down()
+            self.conclude(
+                _summary(
+                    self.name, prepared, Outcome.SHED_UNAVAILABLE, closing.status, self.clock(), queue_s=0.0
+                )
+            )
+            raise closing
         key = next(self._keys)
         reservation = Reservation(self, key, prepared)
         reservation.queued_at = self.clock()
@@ -608,6 +657,8 @@ class BackendGateway:
                 f"whole pool holds {pool}; lower max_tokens, n or the prompt",
                 param="max_tokens",
             )
+        if reason is Reason.SHUTTING_DOWN:
+            return self._shutting_down()
         if reason in (Reason.BUDGET_UNKNOWN, Reason.BACKEND_DOWN):
             return UnavailableError(
                 f"no KV-cache budget is known for the backend ({self.snapshot().detail})",
@@ -776,6 +827,39 @@ def _finished_summary(
         queue_s=reservation.queue_seconds,
         actual_blocks=actual,
         completion_tokens=completion,
+    )
+
+
+def _unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string in a parsed body that is not valid Unicode (JSON's \\u
+    escapes can spell lone surrogates, which no tokenizer takes), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items: Iterable[tuple[str, Any]] = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        found = _unencodable(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _text_error(body: Mapping[str, Any]) -> Exception:
+    """What a tokenizer's UnicodeError or TypeError means: text that is not valid Unicode (a
+    client error), else a fault of kvgate's own, left to surface as one (500)."""
+    where = _unencodable(body, "")
+    if where is None:
+        return RuntimeError("the token counter failed on a body it had accepted")
+    return InvalidRequestError(
+        f"'{where}' is not valid Unicode text (it holds a lone surrogate)", param=where
     )
 
 

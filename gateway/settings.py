@@ -8,6 +8,7 @@ constants with their unit in the name, so code and docs can refer to them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import tomllib
@@ -69,6 +70,13 @@ DEFAULT_DISCOVERY_TIMEOUT_S = 5.0
 DEFAULT_DISCOVERY_RETRY_S = 1.0
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The request line and headers together; past it the connection gets 431 and is closed.
+DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+
+# Shutdown (SIGTERM): not ready at once; listen on for the delay (so that load balancers see
+# /readyz fail), then stop listening and give streams in flight the grace period to finish.
+DEFAULT_SHUTDOWN_DELAY_S = 0.0
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 # Tokenization, off the event loop.
 DEFAULT_TOKENIZER_THREADS = 2
@@ -99,6 +107,10 @@ class Settings(BaseSettings):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     admin_token: SecretStr | None = None
+    # The admin endpoints (/admin/*): "auto" serves them when an admin token is set (and then
+    # requires it) or, without one, only on a loopback bind; "on" also serves them without a
+    # token on a public bind; "off" never serves them.
+    admin_api: Literal["auto", "on", "off"] = "auto"
     backend_api_key: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "json": one JSON object per log line (see gateway.logs); "text": human-readable lines.
@@ -149,11 +161,25 @@ class Settings(BaseSettings):
     discovery_retry_s: float = Field(DEFAULT_DISCOVERY_RETRY_S, gt=0)
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    max_header_bytes: int = Field(DEFAULT_MAX_HEADER_BYTES, ge=1024)
+
+    # Shutdown.
+    shutdown_delay_s: float = Field(DEFAULT_SHUTDOWN_DELAY_S, ge=0)
+    shutdown_grace_s: float = Field(DEFAULT_SHUTDOWN_GRACE_S, ge=0)
 
     # Tokenization.
     tokenizer_threads: int = Field(DEFAULT_TOKENIZER_THREADS, ge=1, le=64)
     tokenizer_max_pending: int = Field(DEFAULT_TOKENIZER_MAX_PENDING, ge=1)
     tokenizer_inline_max_bytes: int = Field(DEFAULT_TOKENIZER_INLINE_MAX_BYTES, ge=0, le=64 * 1024)
+
+    @field_validator("admin_token", "backend_api_key", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # KVGATE_ADMIN_TOKEN= (set but empty) must not become a token that an empty header matches.
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if isinstance(raw, str) and not raw.strip():
+            return None
+        return value
 
     @field_validator("backend_api_key")
     @classmethod
@@ -191,6 +217,12 @@ class Settings(BaseSettings):
             raise ValueError("; ".join(problems))
         return self
 
+    def admin_enabled(self) -> bool:
+        """Whether /admin/* is served at all (see `admin_api`)."""
+        if self.admin_api == "off":
+            return False
+        return self.admin_api == "on" or self.admin_token is not None or is_loopback(self.host)
+
     def queue_max(self) -> dict[Priority, int]:
         return {
             Priority.HIGH: self.queue_max_high,
@@ -212,6 +244,75 @@ class Settings(BaseSettings):
             if data.get(secret) is not None:
                 data[secret] = "***"
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
+
+
+# What a reload (SIGHUP or POST /admin/reload) may change while requests are in flight. The
+# rest (where to listen, which backend, the tokenizer, pools and threads sized at startup)
+# needs a restart; a reload that changes them keeps the running values and says so.
+RELOADABLE_SETTINGS = frozenset(
+    {
+        "log_level",
+        "admin_token",
+        "admin_api",
+        "metrics_poll_interval_s",
+        "metrics_timeout_s",
+        "metrics_stale_after_s",
+        "unknown_budget",
+        "backend_down_after_failures",
+        "settle_s",
+        "budget_min_fraction",
+        "budget_max_fraction",
+        "aimd_decrease_factor",
+        "aimd_increase_per_s",
+        "aimd_quiet_s",
+        "aimd_decrease_cooldown_s",
+        "output_quantile",
+        "queue_max_high",
+        "queue_max_normal",
+        "queue_max_low",
+        "queue_timeout_high_s",
+        "queue_timeout_normal_s",
+        "queue_timeout_low_s",
+        "hol_max_bypass",
+        "early_shed",
+        "retry_after_s",
+        "retry_after_min_s",
+        "retry_after_max_s",
+        "service_time_margin",
+        "first_byte_timeout_s",
+        "between_chunk_timeout_s",
+        "max_body_bytes",
+        "tokenizer_max_pending",
+        "tokenizer_inline_max_bytes",
+        "shutdown_delay_s",
+        "shutdown_grace_s",
+    }
+)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def reloaded(current: Settings, fresh: Settings) -> tuple[Settings, list[str], list[str]]:
+    """`current` with the reloadable values of `fresh`: returns the settings to run with, the
+    names applied and the names that changed but need a restart (kept as they are)."""
+    changed = [name for name in Settings.model_fields if getattr(fresh, name) != getattr(current, name)]
+    applied = sorted(name for name in changed if name in RELOADABLE_SETTINGS)
+    ignored = sorted(name for name in changed if name not in RELOADABLE_SETTINGS)
+    merged = Settings.model_validate(
+        {
+            **{name: getattr(current, name) for name in Settings.model_fields},
+            **{name: getattr(fresh, name) for name in applied},
+        }
+    )
+    return merged, applied, ignored
 
 
 class ConfigFileError(ValueError):

@@ -82,8 +82,7 @@ class BackendReading:
     difference between one block and none on small pools. `preemptions_total` is None when the
     backend does not export the counter (the AIMD controller then stays where it is).
     `engine_steps_total` counts the engine steps run so far (None when not exported): a value
-    that does not move while requests are in flight means vLLM is not working on them, or that
-    its metrics are frozen.
+    that has not moved since a request was sent means vLLM has not started on it yet.
     """
 
     total_blocks: int
@@ -95,6 +94,9 @@ class BackendReading:
     engines: int
     prefix_caching: bool | None
     engine_steps_total: float | None = None
+    # A digest of the whole scrape, set by whoever read the text (None: not known). Two equal
+    # digests mean nothing at all changed in between, not even vLLM's process metrics.
+    digest: float | None = None
 
     @property
     def usage(self) -> float:

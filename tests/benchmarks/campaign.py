@@ -54,7 +54,9 @@ def start_kvgate(backend: str, port: int, log: Path, extra: list[str]) -> subpro
     command = [str(BIN / "kvgate"), "serve", "--backend", backend, "--port", str(port), *extra]
     if os.cpu_count() and (os.cpu_count() or 1) > 1:
         command = ["taskset", "-c", "0", *command]
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -72,7 +74,9 @@ def start_kvgate(backend: str, port: int, log: Path, extra: list[str]) -> subpro
     raise RuntimeError("kvgate did not become ready")
 
 
-def run_bench(targets: list[str], backend: str, rate: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+def run_bench(
+    targets: list[str], backend: str, rate: float, args: argparse.Namespace, out: Path
+) -> list[dict[str, Any]]:
     command = [
         str(BIN / "kvgate"), "bench",
         *[part for target in targets for part in ("--target", target)],
@@ -91,7 +95,9 @@ def run_bench(targets: list[str], backend: str, rate: float, args: argparse.Name
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trace", required=True)
     parser.add_argument("--ctx-scale", type=float, default=0.125)
     parser.add_argument("--gen-scale", type=float, default=1.0)
@@ -101,7 +107,9 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=10.0)
     parser.add_argument("--ttft-slo", type=float, default=2.0)
     parser.add_argument("--guards", default="none")
-    parser.add_argument("--kvgate", action="store_true", help="also run through kvgate in front of vLLM straight")
+    parser.add_argument(
+        "--kvgate", action="store_true", help="also run through kvgate in front of vLLM straight"
+    )
     parser.add_argument("--kvgate-args", default="", help="extra `kvgate serve` arguments")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
@@ -130,9 +138,14 @@ def main() -> int:
                 for target, result in zip(targets, results, strict=True):
                     name = "kvgate" if target != backend else label
                     rows.append((name, rate, result))
-                    print(f"{name:14} rate {rate:5.2f}: " + ", ".join(
-                        f"{title} {fmt.format(v) if (v := pick(result, key)) is not None else '-'}"
-                        for title, key, fmt in COLUMNS), flush=True)
+                    print(
+                        f"{name:14} rate {rate:5.2f}: "
+                        + ", ".join(
+                            f"{title} {fmt.format(v) if (v := pick(result, key)) is not None else '-'}"
+                            for title, key, fmt in COLUMNS
+                        ),
+                        flush=True,
+                    )
         finally:
             if kvgate is not None:
                 testbed.stop_process(kvgate.pid)

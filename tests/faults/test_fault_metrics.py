@@ -1,0 +1,193 @@
+"""The backend's /metrics misbehaves: slow, frozen, malformed, missing, without the pool size,
+or reporting another pool after a restart.
+
+What must happen: kvgate never crashes; an unknown budget counts as saturated (nothing new is
+admitted, /readyz says why, new arrivals get 503 + Retry-After, queued requests wait); the
+budget rebuilds itself from the first sane scrape, and follows a pool that changed size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from faultkit import (
+    LONG_STREAM,
+    SLOW_STEPS,
+    Served,
+    clear_faults,
+    gateway_idle,
+    poll_until,
+    served_gateway,
+    set_faults,
+    sim_state,
+)
+
+from sim.config import SimConfig
+from sim.testing import SimServer, running_sim_server
+
+SMALL = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8}
+# 30 of the 63 usable blocks each: two fit at once, a third must wait.
+HOG = {**LONG_STREAM, "prompt": "a", "max_tokens": 950, "stream": False}
+
+
+@pytest.fixture
+def sim() -> Iterator[SimServer]:
+    with running_sim_server(SimConfig(engine=SLOW_STEPS)) as server:
+        yield server
+
+
+@pytest.fixture
+def kvgate(sim: SimServer) -> Iterator[Served]:
+    with served_gateway(sim.url, metrics_timeout_s=0.2) as served:
+        yield served
+
+
+def readyz(kvgate: Served) -> tuple[int, str]:
+    response = httpx.get(f"{kvgate.url}/readyz", timeout=5)
+    reason: str = response.json()["reason"]
+    return response.status_code, reason
+
+
+def budget_state(kvgate: Served) -> str:
+    state: str = kvgate.call(lambda: kvgate.gateway.snapshot().state.value)
+    return state
+
+
+def assert_refused_as_unknown(kvgate: Served) -> None:
+    response = httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=5)
+    assert response.status_code == 503, response.text
+    assert response.headers["x-should-retry"] == "true"
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def assert_serves(kvgate: Served) -> None:
+    poll_until(lambda: readyz(kvgate)[0] == 200, what="the budget to rebuild")
+    response = httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=10)
+    assert response.status_code == 200, response.text
+    kvgate.wait_until(gateway_idle, what="the ledger to balance")
+
+
+@pytest.mark.parametrize(
+    ("faults", "reason"),
+    [
+        pytest.param({"metrics_delay_s": 0.6}, "ReadTimeout", id="slow"),
+        pytest.param({"metrics_mode": "malformed"}, "malformed", id="malformed"),
+        pytest.param({"metrics_mode": "missing", "metrics_status": 404}, "404", id="missing-404"),
+        pytest.param({"metrics_mode": "missing", "metrics_status": 500}, "500", id="missing-500"),
+        pytest.param({"omit_cache_config_info": True}, "cache_config_info", id="no-cache-config-info"),
+    ],
+)
+def test_unusable_metrics_mean_saturated_until_sane_again(
+    kvgate: Served, sim: SimServer, faults: dict[str, Any], reason: str
+) -> None:
+    assert_serves(kvgate)
+    set_faults(sim.url, **faults)
+    poll_until(lambda: readyz(kvgate)[0] == 503, what="/readyz to turn false")
+    _, why = readyz(kvgate)
+    assert "stale" in why
+    assert reason in why  # the last error is named
+    assert_refused_as_unknown(kvgate)
+    assert httpx.get(f"{kvgate.url}/healthz", timeout=5).status_code == 200  # alive all along
+    clear_faults(sim.url)
+    assert_serves(kvgate)
+
+
+def test_slow_metrics_within_the_timeout_keep_the_budget_fresh(sim: SimServer) -> None:
+    with served_gateway(sim.url, metrics_timeout_s=0.5, metrics_stale_after_s=1.0) as kvgate:
+        set_faults(sim.url, metrics_delay_s=0.15)
+        kvgate.wait_until(lambda gw: gw.poller.failures == 0 and gw.snapshot().age_s is not None)
+        for _ in range(5):
+            assert httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=10).status_code == 200
+        assert budget_state(kvgate) == "fresh"
+        assert kvgate.call(lambda: kvgate.gateway.poller.failures) == 0
+
+
+def test_queued_requests_wait_while_unknown_and_are_admitted_when_sane(
+    kvgate: Served, sim: SimServer
+) -> None:
+    with ThreadPoolExecutor(3) as pool:
+        hogs = [
+            pool.submit(httpx.post, f"{kvgate.url}/v1/completions", json=HOG, timeout=60) for _ in range(2)
+        ]
+        kvgate.wait_until(lambda gw: gw.ledger.totals().entries == 2, what="both hogs admitted")
+        third = pool.submit(
+            httpx.post, f"{kvgate.url}/v1/completions", json={**HOG, "max_tokens": 200}, timeout=60
+        )
+        kvgate.wait_until(lambda gw: len(gw.queue) == 1, what="the third to queue")
+        set_faults(sim.url, metrics_mode="malformed")
+        poll_until(lambda: budget_state(kvgate) == "stale", what="the budget to go stale")
+        # The hogs finish while the budget is unknown: their blocks free up, yet nobody is
+        # admitted into a pool kvgate cannot see.
+        assert [hog.result(timeout=30).status_code for hog in hogs] == [200, 200]
+        assert kvgate.call(lambda: len(kvgate.gateway.queue)) == 1
+        assert kvgate.call(lambda: kvgate.gateway.ledger.totals().entries) == 0
+        clear_faults(sim.url)
+        assert third.result(timeout=30).status_code == 200
+    kvgate.wait_until(gateway_idle, what="the ledger to balance")
+
+
+def test_frozen_metrics_do_not_let_the_gateway_over_admit(kvgate: Served, sim: SimServer) -> None:
+    """A wedged exporter repeats its last text (taken here while idle: no KV in use). Trusting
+    it would make every settled request look free and admit far past the pool. kvgate gives no
+    credit to requests the engine shows no sign of working on, and once requests have been in
+    flight for `metrics_stale_after_s` without the engine-step counter moving, it calls the
+    metrics frozen: unknown, so saturated."""
+    assert_serves(kvgate)
+    set_faults(sim.url, metrics_mode="stale")
+    most = [0]
+
+    def admitted() -> int:
+        count: int = kvgate.call(lambda: kvgate.gateway.ledger.totals().entries)
+        most[0] = max(most[0], count)
+        return count
+
+    body = {**HOG, "max_tokens": 400}  # 13 blocks: four fit in the pool at once
+    with ThreadPoolExecutor(8) as pool:
+        pending = [
+            pool.submit(httpx.post, f"{kvgate.url}/v1/completions", json=body, timeout=60) for _ in range(8)
+        ]
+        # Noticed while the first four run (about 2 s each).
+        poll_until(lambda: admitted() >= 0 and readyz(kvgate)[0] == 503, what="/readyz to turn false")
+        assert "frozen" in readyz(kvgate)[1]
+        assert_refused_as_unknown(kvgate)
+        assert kvgate.call(lambda: len(kvgate.gateway.queue)) == 4  # the rest wait, unadmitted
+        clear_faults(sim.url)
+        while not all(p.done() for p in pending):
+            admitted()
+        assert [p.result().status_code for p in pending] == [200] * 8
+    assert most[0] <= 4, f"{most[0]} requests of 13 blocks admitted into a pool of 63"
+    assert sim_state(sim.url)["num_preemptions_total"] == 0, sim_state(sim.url)
+    assert_serves(kvgate)
+
+
+def test_a_restarted_backend_with_another_pool_is_followed(kvgate: Served, sim: SimServer) -> None:
+    assert kvgate.call(lambda: kvgate.gateway.snapshot().total_blocks) == 63
+
+    def most_admitted_of_two_hogs() -> int:
+        most = 0
+        with ThreadPoolExecutor(2) as pool:
+            hogs = [
+                pool.submit(httpx.post, f"{kvgate.url}/v1/completions", json=HOG, timeout=60)
+                for _ in range(2)
+            ]
+            while not all(hog.done() for hog in hogs):
+                most = max(most, kvgate.call(lambda: kvgate.gateway.ledger.totals().entries))
+            assert [hog.result().status_code for hog in hogs] == [200, 200]
+        return most
+
+    # vLLM comes back with a smaller pool (39 usable blocks): one hog of 30 at a time.
+    httpx.post(f"{sim.url}/sim/restart", json={"num_blocks": 40}, timeout=5).raise_for_status()
+    kvgate.wait_until(lambda gw: gw.snapshot().total_blocks == 39, what="the smaller pool")
+    assert most_admitted_of_two_hogs() == 1
+    assert sim_state(sim.url)["num_preemptions_total"] == 0, sim_state(sim.url)
+    # And back to the larger one: both at once again.
+    httpx.post(f"{sim.url}/sim/restart", json={"num_blocks": 64}, timeout=5).raise_for_status()
+    kvgate.wait_until(lambda gw: gw.snapshot().total_blocks == 63, what="the pool back to its size")
+    assert most_admitted_of_two_hogs() == 2
+    assert sim_state(sim.url)["num_preemptions_total"] == 0, sim_state(sim.url)
+    kvgate.wait_until(gateway_idle, what="the ledger to balance")
