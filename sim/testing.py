@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -58,55 +59,66 @@ def _free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
+def serving(
+    app: Any, sock: socket.socket, *, name: str = "uvicorn-test", **config: Any
+) -> Iterator[asyncio.AbstractEventLoop]:
+    """Serve any ASGI app with uvicorn on `sock` in a background thread; yields its event loop.
+
+    `config` overrides uvicorn.Config options (quiet, no access log, lifespan on by default).
+    Raises RuntimeError if the server fails to start, TimeoutError if it does not start in time.
+    """
+    options: dict[str, Any] = {"log_level": "warning", "access_log": False, "lifespan": "on", "backlog": 2048}
+    options.update(config)
+    sock.listen(options["backlog"])
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        async def main() -> None:
+            loop_box.append(asyncio.get_running_loop())
+            await server.serve(sockets=[sock])
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported to the caller below
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if failure or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"{name} failed to start") from (failure[0] if failure else None)
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError(f"{name} did not start in time")
+        time.sleep(POLL_INTERVAL_S)
+    try:
+        yield loop_box[0]
+    finally:
+        server.should_exit = True
+        thread.join(STARTUP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
 def running_sim_server(config: SimConfig) -> Iterator[SimServer]:
     """Serve `config` with uvicorn in a background thread; yields the server handle."""
     app = create_sim_app(config)
     sock = _free_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S),
-            backlog=2048,
-        )
-    )
-    loop_box: list[asyncio.AbstractEventLoop] = []
-    failure: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-
-            async def main() -> None:
-                loop_box.append(asyncio.get_running_loop())
-                await server.serve(sockets=[sock])
-
-            asyncio.run(main())
-        except BaseException as exc:  # reported to the caller below
-            failure.append(exc)
-
-    thread = threading.Thread(target=serve, name=f"sim-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if failure or not thread.is_alive():
-            sock.close()
-            raise RuntimeError("the emulator failed to start") from (failure[0] if failure else None)
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            raise TimeoutError("the emulator did not start in time")
-        time.sleep(POLL_INTERVAL_S)
     try:
-        yield SimServer(f"http://127.0.0.1:{port}", app)
+        with serving(
+            app, sock, name=f"sim-{port}", timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S)
+        ) as loop:
+            try:
+                yield SimServer(f"http://127.0.0.1:{port}", app)
+            finally:
+                # Release hung and streaming responses so uvicorn's graceful shutdown is quick.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(app.begin_shutdown)
     finally:
-        if loop_box:
-            # Release hung and streaming responses so uvicorn's graceful shutdown is quick.
-            with contextlib.suppress(RuntimeError):
-                loop_box[0].call_soon_threadsafe(app.begin_shutdown)
-        server.should_exit = True
-        thread.join(STARTUP_TIMEOUT_S)
         sock.close()
 
 

@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 
 from estimator.tokens import TokenCounter
@@ -40,7 +38,7 @@ from gateway.service import BackendGateway
 from gateway.settings import Settings
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
-from sim.testing import cli_args
+from sim.testing import cli_args, serving
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0
@@ -326,41 +324,6 @@ def gateway_idle(gateway: BackendGateway) -> bool:
         and not gateway.inflight
         and len(gateway.queue) == 0
     )
-
-
-@contextlib.contextmanager
-def serving(app: Any, sock: socket.socket, **config: Any) -> Iterator[asyncio.AbstractEventLoop]:
-    """Serve an ASGI app with uvicorn on `sock` in a background thread; yields its loop."""
-    sock.listen(2048)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", backlog=2048, **config)
-    )
-    loops: list[asyncio.AbstractEventLoop] = []
-    failures: list[BaseException] = []
-
-    def serve() -> None:
-        async def main() -> None:
-            loops.append(asyncio.get_running_loop())
-            await server.serve(sockets=[sock])
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # reported below
-            failures.append(exc)
-
-    thread = threading.Thread(target=serve, name="kvgate-fault-tier", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if failures or not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError("the server did not start") from (failures[0] if failures else None)
-        time.sleep(0.01)
-    try:
-        yield loops[0]
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from estimator.tokens import TokenCounter
@@ -28,6 +26,7 @@ from gateway.settings import Settings
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
 from sim.server import SimApp, create_sim_app
+from sim.testing import serving
 
 # The testbed's pool (64 blocks of 32 tokens, max_model_len 1024) at unit-test speed.
 FAST_ENGINE = EngineConfig(step_cost=StepCost(base_s=0.001, per_token_s=0.0, per_seq_s=0.0))
@@ -129,39 +128,6 @@ def bound_socket() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
-
-
-@contextlib.contextmanager
-def serving(app: Any, sock: socket.socket) -> Iterator[asyncio.AbstractEventLoop]:
-    """Serve an ASGI app with uvicorn on `sock` in a background thread; yields its loop."""
-    sock.listen(1024)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-    loops: list[asyncio.AbstractEventLoop] = []
-    failures: list[BaseException] = []
-
-    def serve() -> None:
-        async def main() -> None:
-            loops.append(asyncio.get_running_loop())
-            await server.serve(sockets=[sock])
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # reported below
-            failures.append(exc)
-
-    thread = threading.Thread(target=serve, name="uvicorn-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not server.started:
-        if failures or not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError("the server did not start") from (failures[0] if failures else None)
-        time.sleep(0.01)
-    try:
-        yield loops[0]
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @contextlib.contextmanager
