@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-PURE = ("workload", "prompts", "payload", "promtext", "records", "report")
+PURE = ("workload", "prompts", "payload", "promtext", "records", "report", "sse")
 SHELL_ONLY = {
     "asyncio",
     "httpx",
-    "httpx_sse",
+    "h11",
+    "threading",
     "uvicorn",
     "fastapi",
     "starlette",
