@@ -25,6 +25,16 @@ Predicted wait: the blocks that must free up before a waiter fits (everything st
 ahead of it, plus its own reservation, minus what is free) divided by the observed rate at
 which blocks free up. When that lands past its deadline it is shed at once with 429 rather
 than left to time out; with no rate observed yet nobody is shed early.
+
+Two deadlines per request: `deadline_at`, past which the client no longer waits (it is shed
+then, or as soon as that is predicted), and `objective_at`, when it wants its first token. The
+objective weighs only on a `strict` arrival, in its first plan: one that a plain queue would
+have served past its deadline (see `gateway.rates.VirtualBacklog`), i.e. one that arrives while
+the offered load is beyond what the backend can serve within the clients' patience. Predicted
+to miss its objective, it is shed at once. In a burst the backend absorbs, the same request
+still finishes in time and is served; under overload it would take the place of later
+requests that can still meet theirs. Once queued, a request is never shed for its objective:
+a late first token is better than a late 429.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ class Reason(StrEnum):
     NO_ROOM = "no_room"
     QUEUE_FULL = "queue_full"
     DEADLINE_UNREACHABLE = "deadline_unreachable"
+    OBJECTIVE_UNREACHABLE = "objective_unreachable"  # beyond capacity, its first token would be late
     DEADLINE_EXPIRED = "deadline_expired"
     BUDGET_UNKNOWN = "budget_unknown"
     BACKEND_DOWN = "backend_down"
@@ -88,7 +99,8 @@ class Ask:
 
     `reserve_blocks` is what admitting it commits (prompt + expected output); `max_blocks` is its
     worst case (every sequence runs to its cap), checked against the pool. `deadline_at` is the
-    last moment it may still leave the queue usefully (math.inf: none).
+    last moment it may still leave the queue usefully (math.inf: none); `objective_at` the last
+    moment that still meets its first-token objective (see the module docstring).
     """
 
     reserve_blocks: int
@@ -96,15 +108,20 @@ class Ask:
     priority: Priority
     arrived_at: float
     deadline_at: float
+    objective_at: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
 class Waiter:
-    """A queued request as the policy sees it. `bypassed`: admissions that overtook it."""
+    """A queued request as the policy sees it. `bypassed`: admissions that overtook it;
+    `arriving`: this is its first plan; `strict`: its objective counts in this plan (an arrival
+    beyond capacity, see above)."""
 
     key: int
     ask: Ask
     bypassed: int = 0
+    arriving: bool = False
+    strict: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +144,10 @@ class PolicyConfig:
     max_bypass: int
     early_shed: bool
     retry: RetryAdvice
+    # An arrival must be predicted ready this share of its time to the deadline early: a
+    # prediction has errors, and a request let in on a close call that then misses would be
+    # shed late, after waiting for nothing.
+    arrival_slack: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,12 +243,19 @@ class AdmissionPolicy:
                 continue
             shortfall = ahead + ask.reserve_blocks - free
             if self.config.early_shed and drain_rate is not None and drain_rate > 0:
-                predicted_wait_s = max(0, shortfall) / drain_rate
-                if now + predicted_wait_s > ask.deadline_at:
-                    decision = Decision(
-                        DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, retry.after(shortfall, drain_rate)
+                ready_at = now + max(0, shortfall) / drain_rate
+                reason = None
+                latest = ask.deadline_at
+                if waiter.arriving:
+                    latest = now + (ask.deadline_at - now) * (1.0 - self.config.arrival_slack)
+                if ready_at > latest:
+                    reason = Reason.DEADLINE_UNREACHABLE
+                elif waiter.strict and ready_at > ask.objective_at:
+                    reason = Reason.OBJECTIVE_UNREACHABLE
+                if reason is not None:
+                    shed.append(
+                        (waiter.key, Decision(DecisionKind.SHED, reason, retry.after(shortfall, drain_rate)))
                     )
-                    shed.append((waiter.key, decision))
                     continue
             ahead += ask.reserve_blocks
             staying.append((waiter.key, len(admit)))

@@ -10,9 +10,11 @@ Headers (names are case-insensitive; the mapping passed in must be, or use lower
   kvgate header is present. The SDK applies it as an HTTP read timeout, so it bounds the whole
   answer of a non-streaming request and the first chunk of a streaming one.
 
-`queue_deadline` turns them into the last moment a request may leave the queue usefully:
-each deadline minus the service time the request still needs once admitted (as measured on
-recent requests), and never later than the per-priority queue timeout.
+`queue_deadlines` turns them into the last moments a request may leave the queue: each time
+minus the service time the request still needs once admitted (as measured on recent
+requests), never later than the per-priority queue timeout. With both headers the first-token
+time is an objective (the client still waits for the whole response); alone, it is the
+deadline.
 """
 
 from __future__ import annotations
@@ -108,19 +110,38 @@ def _sdk_read_timeout(raw: str | None) -> float | None:
     return min(value, MAX_DEADLINE_MS / 1000.0)
 
 
-def queue_deadline(
+@dataclass(frozen=True, slots=True)
+class QueueDeadlines:
+    """When a request must leave the queue (monotonic seconds). `hard_at`: the client stops
+    waiting after it, so it is shed then; `objective_at` (<= hard_at): the last moment that
+    still meets its first-token objective (see `gateway.admission`)."""
+
+    hard_at: float
+    objective_at: float
+
+
+def queue_deadlines(
     arrived_at: float,
     hints: ClientHints,
     queue_timeout_s: float,
     service: ServiceEstimate,
     *,
     margin: float = 1.0,
-) -> float:
-    """The last moment (monotonic seconds) at which leaving the queue can still meet the
-    client's deadlines; `margin` scales the service time netted out (0 disables it)."""
-    deadline = arrived_at + queue_timeout_s
+) -> QueueDeadlines:
+    """The last moments at which leaving the queue still meets the client's deadline and its
+    objective; `margin` scales the service time netted out (0 disables it).
+
+    A first-token time is an objective when the client also gave a deadline for the whole
+    response: it still waits past it. Given alone, it is where the client gives up (a
+    streaming OpenAI SDK client's read timeout), so it is the deadline as well."""
+    hard = arrived_at + queue_timeout_s
+    objective = math.inf
     if hints.total_s is not None:
-        deadline = min(deadline, arrived_at + hints.total_s - margin * service.complete_s)
+        hard = min(hard, arrived_at + hints.total_s - margin * service.complete_s)
     if hints.first_token_s is not None:
-        deadline = min(deadline, arrived_at + hints.first_token_s - margin * service.first_token_s)
-    return deadline
+        first_token_at = arrived_at + hints.first_token_s - margin * service.first_token_s
+        if hints.total_s is None:
+            hard = min(hard, first_token_at)
+        else:
+            objective = first_token_at
+    return QueueDeadlines(hard, min(objective, hard))

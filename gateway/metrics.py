@@ -38,6 +38,7 @@ class GaugeReadings:
     reserved_blocks: int
     held_blocks: int
     backend_up: bool
+    plain_queue_wait_s: float | None = None
 
 
 class GaugeSource(Protocol):
@@ -97,6 +98,12 @@ class _LevelCollector(Collector):
         age = GaugeMetricFamily(
             "kvgate_backend_metrics_age_seconds", "Age of the last good metrics scrape", labels=["backend"]
         )
+        plain_wait = GaugeMetricFamily(
+            "kvgate_plain_queue_wait_seconds",
+            "Wait an arrival would face in a plain queue that shed nothing (the offered load's "
+            "backlog at the backend's saturated drain rate); NaN until a rate is known",
+            labels=["backend"],
+        )
         state = GaugeMetricFamily(
             "kvgate_budget_state",
             "Budget freshness state (1 for the current state)",
@@ -118,6 +125,9 @@ class _LevelCollector(Collector):
             up.add_metric([b], 1.0 if reading.backend_up else 0.0)
             stale.add_metric([b], 0.0 if budget.state is BudgetState.FRESH else 1.0)
             age.add_metric([b], budget.age_s if budget.age_s is not None else float("nan"))
+            plain_wait.add_metric(
+                [b], reading.plain_queue_wait_s if reading.plain_queue_wait_s is not None else float("nan")
+            )
             for candidate in BudgetState:
                 state.add_metric([b, candidate.value], 1.0 if candidate is budget.state else 0.0)
         return [
@@ -133,6 +143,7 @@ class _LevelCollector(Collector):
             up,
             stale,
             age,
+            plain_wait,
             state,
         ]
 

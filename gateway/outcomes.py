@@ -20,7 +20,7 @@ CLIENT_CLOSED_STATUS = 499
 class Outcome(StrEnum):
     COMPLETED = "completed"
     SHED_QUEUE_FULL = "shed_queue_full"
-    SHED_DEADLINE = "shed_deadline"  # predicted to miss its deadline: shed before it expired
+    SHED_DEADLINE = "shed_deadline"  # predicted to miss its deadline (or objective): shed at once
     SHED_TIMEOUT = "shed_timeout"  # still queued when its deadline came
     SHED_UNAVAILABLE = "shed_unavailable"  # 503: no budget known, backend down, not ready
     REJECTED_INVALID = "rejected_invalid"  # 4xx from kvgate's own validation
@@ -32,6 +32,7 @@ class Outcome(StrEnum):
 _SHED_OUTCOMES = {
     Reason.QUEUE_FULL: Outcome.SHED_QUEUE_FULL,
     Reason.DEADLINE_UNREACHABLE: Outcome.SHED_DEADLINE,
+    Reason.OBJECTIVE_UNREACHABLE: Outcome.SHED_DEADLINE,
     Reason.DEADLINE_EXPIRED: Outcome.SHED_TIMEOUT,
     Reason.BUDGET_UNKNOWN: Outcome.SHED_UNAVAILABLE,
     Reason.BACKEND_DOWN: Outcome.SHED_UNAVAILABLE,

@@ -94,3 +94,45 @@ class Ewma:
     def add(self, sample: float) -> None:
         self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
         self.count += 1
+
+
+class VirtualBacklog:
+    """The backlog a plain first-come-first-served queue would hold now, in blocks.
+
+    Every request offered to the backend joins it, the ones the gateway shed included, and it
+    drains at the rate the backend frees blocks when saturated: a fluid model of what waiting
+    in line without any shedding would cost. It tells a burst from an overload the way the
+    clients' own patience does. If even a plain queue would serve an arrival before its
+    deadline, the backend keeps up with the offered load at that patience (a burst: serve it,
+    late if need be); if not, the load is beyond the backend's capacity, and serving requests
+    late only pushes others late too.
+
+    The backlog is capped at `cap_factor` times the arrival's own deadline budget, so that it
+    forgets an overload about a deadline's worth of draining after the load falls back.
+    """
+
+    def __init__(self, cap_factor: float = 1.25) -> None:
+        if cap_factor < 1.0:
+            raise ValueError("cap_factor must be at least 1")
+        self._cap_factor = cap_factor
+        self.blocks = 0.0
+        self._at: float | None = None
+
+    def _drain(self, now: float, rate: float) -> None:
+        if self._at is not None and now > self._at:
+            self.blocks = max(0.0, self.blocks - rate * (now - self._at))
+        self._at = now if self._at is None else max(self._at, now)
+
+    def wait_s(self, now: float, rate: float) -> float:
+        """Seconds a request joining now would wait behind the backlog."""
+        self._drain(now, rate)
+        return self.blocks / rate
+
+    def offer(self, blocks: float, now: float, rate: float, budget_s: float) -> bool:
+        """Add an arrival of `blocks` with `budget_s` seconds to its deadline; True when a plain
+        queue would serve it too late."""
+        self._drain(now, rate)
+        self.blocks += blocks
+        beyond = self.blocks / rate > budget_s
+        self.blocks = min(self.blocks, rate * max(0.0, budget_s) * self._cap_factor + blocks)
+        return beyond

@@ -55,6 +55,13 @@ DEFAULT_QUEUE_MAX_REQUESTS = 256
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_HOL_MAX_BYPASS = 8
 DEFAULT_DRAIN_RATE_HORIZON_S = 10.0
+# When an arrival finds the backend beyond capacity, requests that joined the queue this
+# recently are judged by their first-token objectives too (see gateway.waitqueue); a 429 for
+# them still comes within this long of their arrival.
+DEFAULT_OBJECTIVE_LOOKBACK_S = 0.75
+# An arrival joins the queue only when predicted to leave it this share of its time to the
+# deadline early (see gateway.admission.PolicyConfig.arrival_slack).
+DEFAULT_ARRIVAL_SLACK = 0.1
 DEFAULT_RETRY_AFTER_S = 1.0
 DEFAULT_RETRY_AFTER_MIN_S = 0.25
 # The OpenAI SDK ignores retry hints above 60 s and falls back on its own backoff.
@@ -147,6 +154,8 @@ class Settings(BaseSettings):
     hol_max_bypass: int = Field(DEFAULT_HOL_MAX_BYPASS, ge=0)
     early_shed: bool = True
     drain_rate_horizon_s: float = Field(DEFAULT_DRAIN_RATE_HORIZON_S, gt=0)
+    objective_lookback_s: float = Field(DEFAULT_OBJECTIVE_LOOKBACK_S, ge=0, le=10)
+    arrival_slack: float = Field(DEFAULT_ARRIVAL_SLACK, ge=0, lt=1)
     retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0)
     retry_after_min_s: float = Field(DEFAULT_RETRY_AFTER_MIN_S, gt=0)
     retry_after_max_s: float = Field(DEFAULT_RETRY_AFTER_MAX_S, gt=0)
@@ -275,6 +284,8 @@ RELOADABLE_SETTINGS = frozenset(
         "queue_timeout_low_s",
         "hol_max_bypass",
         "early_shed",
+        "objective_lookback_s",
+        "arrival_slack",
         "retry_after_s",
         "retry_after_min_s",
         "retry_after_max_s",

@@ -46,8 +46,11 @@ class QueueEntry:
 
 
 class AdmissionQueue(Protocol):
-    def enter(self, key: int, ask: Ask, on_admit: Callable[[float], None]) -> QueueEntry:
-        """Screen and queue a request; the entry may already be resolved on return."""
+    def enter(
+        self, key: int, ask: Ask, on_admit: Callable[[float], None], *, strict: bool = False
+    ) -> QueueEntry:
+        """Screen and queue a request; the entry may already be resolved on return. A `strict`
+        one is shed at once if it cannot meet its objective (see `gateway.admission`)."""
         ...
 
     def leave(self, entry: QueueEntry) -> bool:
@@ -80,6 +83,7 @@ class WaitQueue:
         drain_rate: Callable[[float], float | None],
         clock: Callable[[], float],
         on_resolved: Callable[[QueueEntry, Decision], None] | None = None,
+        strict_lookback_s: float = 0.0,
     ) -> None:
         self._policy = policy
         self._budget = budget
@@ -92,6 +96,10 @@ class WaitQueue:
         self._timer_at = math.inf
         self._pumping = False
         self._again = False
+        # Entries not yet seen by a plan (arrivals, and waiters made strict by one): their
+        # next plan is the one that weighs slack and objectives.
+        self._fresh: set[int] = set()
+        self.strict_lookback_s = strict_lookback_s
         self.stats = _Stats()
 
     # -- queries --------------------------------------------------------------------------
@@ -112,7 +120,9 @@ class WaitQueue:
 
     # -- changes --------------------------------------------------------------------------
 
-    def enter(self, key: int, ask: Ask, on_admit: Callable[[float], None]) -> QueueEntry:
+    def enter(
+        self, key: int, ask: Ask, on_admit: Callable[[float], None], *, strict: bool = False
+    ) -> QueueEntry:
         now = self._clock()
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         entry = QueueEntry(Waiter(key, ask), on_admit, future, now)
@@ -122,6 +132,10 @@ class WaitQueue:
             return entry
         queue = self._queues[ask.priority]
         queue[key] = entry
+        entry.waiter = replace(entry.waiter, arriving=True)
+        self._fresh.add(key)
+        if strict:
+            self._make_strict(entry, now)
         self.pump()
         if not entry.done:
             overflow = self._policy.overflow(
@@ -164,11 +178,15 @@ class WaitQueue:
     def _pump_once(self) -> None:
         self.stats.pumps += 1
         if not len(self):
+            self._fresh.clear()
             self._arm_timer(math.inf)
             return
         now = self._clock()
         plan = self._policy.plan(
-            [entry.waiter for entry in self.waiting()], self._budget.snapshot(now), self._drain_rate(now), now
+            [entry.waiter for entry in self.waiting()],
+            self._budget.snapshot(now),
+            self._drain_rate(now),
+            now,
         )
         for key in plan.admit:
             entry = self._pop(key)
@@ -179,6 +197,10 @@ class WaitQueue:
         for key, count in plan.bypassed:
             entry = self._find(key)
             entry.waiter = replace(entry.waiter, bypassed=entry.waiter.bypassed + count)
+        for key in self._fresh:
+            if (seen := self._find_waiting(key)) is not None:
+                seen.waiter = replace(seen.waiter, arriving=False, strict=False)
+        self._fresh.clear()
         self._arm_timer(min((e.waiter.ask.deadline_at for e in self.waiting()), default=math.inf))
 
     def close(self, decision: Decision) -> int:
@@ -186,17 +208,41 @@ class WaitQueue:
         entries = list(self.waiting())
         for entry in entries:
             self._resolve(self._pop(entry.key), decision, now)
+        self._fresh.clear()
         self._arm_timer(math.inf)
         return len(entries)
 
     # -- internals ------------------------------------------------------------------------
 
+    def _make_strict(self, arrival: QueueEntry, now: float) -> None:
+        """Judge the arrival by its objective, and with it whoever joined in the last
+        `strict_lookback_s`: when the backend turns out to be beyond capacity, the requests
+        queued just before were let in on the belief that it was not, and would hold the
+        queue long for everyone after them. Shed now, their 429 still comes within the
+        lookback of their arrival."""
+        arrival.waiter = replace(arrival.waiter, strict=True)
+        if self.strict_lookback_s <= 0:
+            return
+        for queue in self._queues.values():
+            for entry in reversed(queue.values()):
+                if now - entry.entered_at > self.strict_lookback_s:
+                    break
+                if entry is not arrival:
+                    entry.waiter = replace(entry.waiter, strict=True)
+                    self._fresh.add(entry.key)
+
     def _find(self, key: int) -> QueueEntry:
+        entry = self._find_waiting(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
+
+    def _find_waiting(self, key: int) -> QueueEntry | None:
         for queue in self._queues.values():
             entry = queue.get(key)
             if entry is not None:
                 return entry
-        raise KeyError(key)
+        return None
 
     def _pop(self, key: int) -> QueueEntry:
         for queue in self._queues.values():

@@ -175,6 +175,35 @@ def test_work_ahead_counts_in_the_predicted_wait() -> None:
     assert relaxed.shed == ()
 
 
+def test_a_strict_arrival_is_shed_when_it_would_miss_its_objective() -> None:
+    # 40 blocks short at 10 blocks/s: ready in 4 s; deadline in 9 s, objective in 2 s.
+    arrival = Ask(50, 50, Priority.NORMAL, arrived_at=0.0, deadline_at=9.0, objective_at=2.0)
+    burst = POLICY.plan([Waiter(0, arrival)], budget(10), drain_rate=10.0, now=0.0)
+    assert burst.shed == ()  # within capacity: it still finishes in time, serve it late
+    beyond = POLICY.plan([Waiter(0, arrival, strict=True)], budget(10), drain_rate=10.0, now=0.0)
+    ((key, decision),) = beyond.shed
+    assert (key, decision.kind, decision.reason) == (0, DecisionKind.SHED, Reason.OBJECTIVE_UNREACHABLE)
+    assert decision.retry_after_s == pytest.approx(4.0)
+    # Within reach of its objective, a strict arrival joins the queue.
+    near = replace(arrival, objective_at=5.0)
+    assert POLICY.plan([Waiter(0, near, strict=True)], budget(10), 10.0, now=0.0).shed == ()
+    # Its deadline still counts first.
+    hopeless = replace(arrival, deadline_at=3.0)
+    ((_, decision),) = POLICY.plan([Waiter(0, hopeless, strict=True)], budget(10), 10.0, now=0.0).shed
+    assert decision.reason is Reason.DEADLINE_UNREACHABLE
+
+
+def test_an_arrival_must_leave_slack_before_its_deadline_a_waiter_need_not() -> None:
+    slack = AdmissionPolicy(replace(CONFIG, arrival_slack=0.2))
+    # Ready in 4 s (40 blocks short at 10/s); deadline 4.5 s away: 0.5 s of slack, under 20%.
+    close_call = ask(50, deadline=4.5)
+    arriving = slack.plan([Waiter(0, close_call, arriving=True)], budget(10), 10.0, now=0.0)
+    assert [(k, d.reason) for k, d in arriving.shed] == [(0, Reason.DEADLINE_UNREACHABLE)]
+    # Once queued, the prediction only has to meet the deadline itself.
+    assert slack.plan([Waiter(0, close_call)], budget(10), 10.0, now=0.0).shed == ()
+    assert slack.plan([Waiter(0, ask(50, deadline=5.5), arriving=True)], budget(10), 10.0, now=0.0).shed == ()
+
+
 def test_no_early_shedding_without_an_observed_rate_or_when_disabled() -> None:
     assert POLICY.plan(waiters(ask(50, deadline=3.0)), budget(10), None, now=0.0).shed == ()
     off = AdmissionPolicy(replace(CONFIG, early_shed=False))

@@ -11,9 +11,10 @@ from gateway.client_hints import (
     NO_SERVICE_ESTIMATE,
     ClientHints,
     HintError,
+    QueueDeadlines,
     ServiceEstimate,
     parse_hints,
-    queue_deadline,
+    queue_deadlines,
 )
 
 
@@ -58,21 +59,35 @@ def test_malformed_headers_name_themselves(headers: dict[str, str], header: str)
     assert error.value.header == header
 
 
+INF = math.inf
+
+
 @pytest.mark.parametrize(
     ("hints", "service", "expected"),
     [
-        (ClientHints(Priority.NORMAL, None, None), NO_SERVICE_ESTIMATE, 130.0),
-        (ClientHints(Priority.NORMAL, 10.0, None), NO_SERVICE_ESTIMATE, 110.0),
-        (ClientHints(Priority.NORMAL, 10.0, None), ServiceEstimate(0.5, 4.0), 106.0),
-        (ClientHints(Priority.NORMAL, 10.0, 2.0), ServiceEstimate(0.5, 4.0), 101.5),
-        (ClientHints(Priority.NORMAL, 100.0, None), NO_SERVICE_ESTIMATE, 130.0),  # queue timeout caps it
+        (ClientHints(Priority.NORMAL, None, None), NO_SERVICE_ESTIMATE, QueueDeadlines(130.0, 130.0)),
+        (ClientHints(Priority.NORMAL, 10.0, None), NO_SERVICE_ESTIMATE, QueueDeadlines(110.0, 110.0)),
+        (ClientHints(Priority.NORMAL, 10.0, None), ServiceEstimate(0.5, 4.0), QueueDeadlines(106.0, 106.0)),
+        # Both headers: the first-token time is an objective, the whole-answer time the deadline.
+        (ClientHints(Priority.NORMAL, 10.0, 2.0), ServiceEstimate(0.5, 4.0), QueueDeadlines(106.0, 101.5)),
+        # A first-token time alone is where the client gives up: the deadline too.
+        (ClientHints(Priority.NORMAL, None, 2.0), ServiceEstimate(0.5, 4.0), QueueDeadlines(101.5, 101.5)),
+        # The objective never lies past the deadline.
+        (ClientHints(Priority.NORMAL, 3.0, 2.0), ServiceEstimate(0.5, 2.0), QueueDeadlines(101.0, 101.0)),
+        (ClientHints(Priority.NORMAL, 100.0, None), NO_SERVICE_ESTIMATE, QueueDeadlines(130.0, 130.0)),
     ],
 )
-def test_queue_deadline(hints: ClientHints, service: ServiceEstimate, expected: float) -> None:
-    assert queue_deadline(100.0, hints, 30.0, service) == pytest.approx(expected)
+def test_queue_deadlines(hints: ClientHints, service: ServiceEstimate, expected: QueueDeadlines) -> None:
+    got = queue_deadlines(100.0, hints, 30.0, service)
+    assert got.hard_at == pytest.approx(expected.hard_at)
+    assert got.objective_at == pytest.approx(expected.objective_at)
 
 
 def test_margin_scales_the_service_time() -> None:
     hints = ClientHints(Priority.NORMAL, 10.0, None)
-    assert queue_deadline(0.0, hints, math.inf, ServiceEstimate(1.0, 4.0), margin=0.5) == pytest.approx(8.0)
-    assert queue_deadline(0.0, hints, math.inf, ServiceEstimate(1.0, 4.0), margin=0.0) == pytest.approx(10.0)
+    assert queue_deadlines(0.0, hints, INF, ServiceEstimate(1.0, 4.0), margin=0.5).hard_at == pytest.approx(
+        8.0
+    )
+    assert queue_deadlines(0.0, hints, INF, ServiceEstimate(1.0, 4.0), margin=0.0).hard_at == pytest.approx(
+        10.0
+    )

@@ -63,3 +63,27 @@ def test_projection_follows_the_requests_in_flight(gateway: BackendGateway) -> N
     assert gateway.drain_rate(0.0) == pytest.approx(projected(gateway))
     gateway.ledger.close(2)
     assert gateway.drain_rate(0.0) == pytest.approx(projected(gateway))
+
+
+def test_the_observed_rate_wins_once_known(gateway: BackendGateway) -> None:
+    gateway.seconds_per_output_token.add(SECONDS_PER_TOKEN)
+    demand = Demand(
+        prompt_tokens=(40,),
+        max_output_tokens=600,
+        expected_output_tokens=10,
+        samples_per_prompt=1,
+        cost=BlockCost(block_size=16),
+    )
+    gateway.ledger.open(0, demand, now=0.0)
+    fast = gateway.drain_rate(0.0)
+    assert fast == pytest.approx(projected(gateway))
+    # Five blocks freed per busy second for 10 s (the entry above kept the backend busy):
+    # slower than the projection, which sees decode time only, and what the queue's
+    # predictions use from now on.
+    for second in range(1, 11):
+        gateway.drain.add(5.0, float(second))
+    observed = gateway.drain.rate(10.0)
+    assert observed is not None
+    assert fast is not None
+    assert observed < fast / 2
+    assert gateway.drain_rate(10.0) == pytest.approx(observed)

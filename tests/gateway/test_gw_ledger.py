@@ -36,8 +36,9 @@ def test_open_books_prompt_as_held_and_expected_output_as_reserved() -> None:
         (0, 2, 4),
         (12, 2, 4),  # 32 tokens: still 2 blocks
         (13, 3, 4),  # 33 tokens
-        (30, 4, 4),  # exactly the reservation
-        (44, 4, 5),  # 64 tokens held; the next token needs a fifth block
+        (14, 3, 4),  # a block ahead of the stream (50 tokens) is still within the reservation
+        (30, 4, 5),  # the reservation reached: a block ahead (66 tokens) needs a fifth block
+        (44, 4, 5),  # 64 tokens held, 80 covered
         (60, 5, 6),
         (80, 7, 7),  # at the cap (100 output tokens): no further token to cover
     ],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.rates import BusyClock, DecayingRate, Ewma
+from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog
 
 
 def test_rate_is_unknown_until_warm() -> None:
@@ -66,3 +66,32 @@ def test_busy_clock(steps: list[tuple[float, bool]], expected: float) -> None:
     for now, busy in steps:
         busy_s = clock.advance(now, busy)
     assert busy_s == expected
+
+
+def test_a_backlog_within_the_deadline_is_a_burst_and_drains() -> None:
+    backlog = VirtualBacklog()
+    # 10 blocks/s; 50 blocks arrive at once: the last waits 5 s, inside a 10 s budget.
+    assert not any(backlog.offer(10, 0.0, 10.0, 10.0) for _ in range(5))
+    assert backlog.wait_s(0.0, 10.0) == pytest.approx(5.0)
+    assert backlog.wait_s(2.0, 10.0) == pytest.approx(3.0)
+    assert backlog.wait_s(9.0, 10.0) == 0.0
+
+
+def test_sustained_overload_is_beyond_capacity_and_forgotten_after_a_deadline() -> None:
+    backlog = VirtualBacklog(cap_factor=1.25)
+    # Three times what drains (30 blocks/s offered, 10 freed): a plain queue passes a 4 s
+    # deadline after 2 s, and stays past it while the load lasts.
+    verdicts = [backlog.offer(3, i / 10, 10.0, 4.0) for i in range(100)]
+    first_beyond = verdicts.index(True)
+    assert 18 <= first_beyond <= 22
+    assert all(verdicts[first_beyond:])
+    # Capped at 1.25 deadlines' worth (plus the arrival): the memory of the overload is bounded...
+    assert backlog.wait_s(9.9, 10.0) <= 1.25 * 4.0 + 0.3 + 1e-9
+    # ... so once the load falls back to a burst's size, it is forgotten within seconds.
+    assert backlog.offer(3, 20.0, 10.0, 4.0) is False
+
+
+def test_a_past_deadline_is_beyond_and_the_cap_factor_is_checked() -> None:
+    assert VirtualBacklog().offer(1, 0.0, 10.0, 0.0) is True
+    with pytest.raises(ValueError, match="at least 1"):
+        VirtualBacklog(cap_factor=0.5)

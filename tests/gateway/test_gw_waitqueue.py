@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -20,7 +20,7 @@ from gateway.admission import (
     RetryAdvice,
 )
 from gateway.capacity import BudgetSnapshot, BudgetState
-from gateway.waitqueue import WaitQueue
+from gateway.waitqueue import QueueEntry, WaitQueue
 
 POLICY = AdmissionPolicy(
     PolicyConfig(
@@ -144,6 +144,59 @@ async def test_deadline_sheds_on_pump_with_a_fake_clock() -> None:
     decision = entry.future.result()
     assert (decision.kind, decision.reason) == (DecisionKind.SHED, Reason.DEADLINE_EXPIRED)
     assert entry.resolved_at == clock.now
+
+
+async def test_only_a_strict_arrival_answers_for_its_objective_and_only_on_arrival() -> None:
+    clock, budget = FakeClock(), FakeBudget(committed=10)
+    early = AdmissionPolicy(replace(POLICY.config, early_shed=True))
+    queue = WaitQueue(policy=early, budget=budget, drain_rate=lambda now: 2.0, clock=clock)
+
+    def objective_ask(blocks: int, objective_s: float) -> Ask:
+        return Ask(blocks, blocks, Priority.NORMAL, clock.now, clock.now + 10.0, clock.now + objective_s)
+
+    # 2 blocks short at 2 blocks/s: ready in 1 s. A strict arrival whose objective is 0.5 s
+    # away is shed at once; the same request, not strict (a burst), waits.
+    missed = queue.enter(1, objective_ask(2, 0.5), lambda now: budget.book(1, 2), strict=True)
+    assert missed.done
+    assert missed.future.result().reason is Reason.OBJECTIVE_UNREACHABLE
+    lenient = queue.enter(2, objective_ask(2, 0.5), lambda now: budget.book(2, 2))
+    assert not lenient.done
+    queue.leave(lenient)
+    # A strict arrival that can meet its objective joins; when its objective passes while it
+    # waits, it is not shed for that, only admitted once blocks free.
+    kept = queue.enter(3, objective_ask(2, 1.5), lambda now: budget.book(3, 2), strict=True)
+    assert not kept.done
+    clock.now += 3.0
+    queue.pump()
+    assert not kept.done
+    budget.committed -= 2
+    queue.pump()
+    assert kept.future.result().kind is DecisionKind.ADMIT
+
+
+async def test_a_strict_arrival_judges_those_that_joined_within_the_lookback() -> None:
+    clock, budget = FakeClock(), FakeBudget(committed=10)
+    early = AdmissionPolicy(replace(POLICY.config, early_shed=True, max_queued={p: 10 for p in Priority}))
+    queue = WaitQueue(
+        policy=early, budget=budget, drain_rate=lambda now: 2.0, clock=clock, strict_lookback_s=0.5
+    )
+
+    def enter(key: int, *, strict: bool = False) -> QueueEntry:
+        ask = Ask(2, 2, Priority.NORMAL, clock.now, clock.now + 30.0, clock.now + 1.5)
+        return queue.enter(key, ask, lambda now: budget.book(key, 2), strict=strict)
+
+    old = enter(1)  # waits 1 s (2 blocks at 2/s): it can meet its objective
+    clock.now += 1.0
+    recent = [enter(2), enter(3)]  # lenient: 2 s and 3 s ahead, past their objectives
+    clock.now += 0.25
+    newcomer = enter(4, strict=True)  # beyond capacity: it and the two recent ones answer for objectives
+    assert newcomer.future.result().reason is Reason.OBJECTIVE_UNREACHABLE
+    assert [e.future.result().reason for e in recent] == [Reason.OBJECTIVE_UNREACHABLE] * 2
+    assert all(e.resolved_at is not None and e.resolved_at - e.entered_at <= 0.5 for e in recent)
+    assert not old.done  # joined 1.25 s before: kept, whatever its objective says now
+    clock.now += 5.0
+    queue.pump()
+    assert not old.done
 
 
 async def test_the_deadline_timer_sheds_without_any_other_event() -> None:
