@@ -480,7 +480,8 @@ class BackendGateway:
                 "depth": {p.value: n for p, n in self.queue.depth().items()},
                 "queued_blocks": self.queue.queued_blocks(),
                 "drain_rate_blocks_per_s": _round(self.drain_rate(now)),
-                "saturated_drain_rate_blocks_per_s": _round(self.capacity_rate(now)),
+                # None until measured (the queue then predicts at the busy-time rate).
+                "saturated_drain_rate_blocks_per_s": _round(self.capacity.rate(self.saturated_time(now))),
                 "plain_queue_wait_s": _round(self.plain_queue_wait(now)),
                 "stats": {
                     "admitted": self.queue.stats.admitted,
