@@ -204,11 +204,12 @@ class BackendGateway:
             min_samples=settings.output_min_samples,
             window=settings.output_window_samples,
         )
-        # Blocks freed per busy second (see BusyClock): what the queue drains at under load.
+        # Blocks freed per busy second (see BusyClock): the queue's fallback until the
+        # saturated rate below is known.
         self.drain = DecayingRate(settings.drain_rate_horizon_s)
         # Blocks freed per second while requests wait in the queue (the backend saturated):
-        # the capacity the virtual backlog drains at.
-        self.capacity = DecayingRate(settings.drain_rate_horizon_s)
+        # the rate queue waits are predicted at and the virtual backlog drains at.
+        self.saturated_drain = DecayingRate(settings.drain_rate_horizon_s)
         self._saturated = BusyClock(clock())
         self.virtual_backlog = VirtualBacklog()
         self._busy = BusyClock(clock())
@@ -345,7 +346,8 @@ class BackendGateway:
         return self._busy.advance(now, self.ledger.totals().entries > 0)
 
     def drain_rate(self, now: float) -> float | None:
-        """Blocks per second the queue can expect to see freed, or None when unknown.
+        """Blocks freed per busy second, or None when unknown (the queue's fallback, see
+        `capacity_rate`).
 
         The rate observed over recent busy time when there is one. Before that (a cold start),
         a projection of what is in flight: its reserved blocks over the mean time its requests
@@ -376,7 +378,7 @@ class BackendGateway:
 
     def capacity_rate(self, now: float) -> float | None:
         """Blocks per second the backend frees when saturated; the drain rate until known."""
-        rate = self.capacity.rate(self.saturated_time(now))
+        rate = self.saturated_drain.rate(self.saturated_time(now))
         return rate if rate is not None else self.drain_rate(now)
 
     def plain_queue_wait(self, now: float) -> float | None:
@@ -481,7 +483,9 @@ class BackendGateway:
                 "queued_blocks": self.queue.queued_blocks(),
                 "drain_rate_blocks_per_s": _round(self.drain_rate(now)),
                 # None until measured (the queue then predicts at the busy-time rate).
-                "saturated_drain_rate_blocks_per_s": _round(self.capacity.rate(self.saturated_time(now))),
+                "saturated_drain_rate_blocks_per_s": _round(
+                    self.saturated_drain.rate(self.saturated_time(now))
+                ),
                 "plain_queue_wait_s": _round(self.plain_queue_wait(now)),
                 "stats": {
                     "admitted": self.queue.stats.admitted,
@@ -780,7 +784,7 @@ class BackendGateway:
         if closed is not None:
             self.drain.add(closed.reserved_blocks, busy_s)
             if len(self.queue):
-                self.capacity.add(closed.reserved_blocks, saturated_s)
+                self.saturated_drain.add(closed.reserved_blocks, saturated_s)
         self.conclude(_finished_summary(self.name, reservation, outcome, result, closed, now))
         if result is not None and result.backend_failed:
             # The backend may be gone: hold admissions until a new scrape says otherwise.
