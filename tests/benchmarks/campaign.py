@@ -135,8 +135,13 @@ def main() -> int:
                 targets.append(f"http://127.0.0.1:{args.port + 1}")
             for rate in rates:
                 results = run_bench(targets, backend, rate, args, args.out / f"{guard}-rate{rate:g}")
-                for target, result in zip(targets, results, strict=True):
+                # With --repeat the bench alternates the targets round after round (A B A B):
+                # one result per target and round, in that order.
+                for index, result in enumerate(results):
+                    target = targets[index % len(targets)]
                     name = "kvgate" if target != backend else label
+                    if args.repeat > 1:
+                        name += f" #{index // len(targets) + 1}"
                     rows.append((name, rate, result))
                     print(
                         f"{name:14} rate {rate:5.2f}: "
