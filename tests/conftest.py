@@ -1,4 +1,4 @@
-"""Session-wide fixtures: the real vLLM testbed and the tiny model beside it.
+"""Shared fixtures: the real vLLM testbed and the tiny model beside it, a TLS certificate.
 
 `make test` starts one vLLM before pytest and passes its URL in KVGATE_TEST_VLLM_URL; running
 pytest by hand without it starts a testbed for the session (about 100 s) and stops it after.
@@ -7,6 +7,8 @@ pytest by hand without it starts a testbed for the session (about 100 s) and sto
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,3 +55,20 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subject = ["-subj", "/CN=kvgate-test", "-addext", "subjectAltName=IP:127.0.0.1"]
+    files = ["-keyout", str(key), "-out", str(cert)]
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", *subject, *files],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key

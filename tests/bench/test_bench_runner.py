@@ -10,10 +10,8 @@ import asyncio
 import contextlib
 import json
 import re
-import shutil
 import socket
 import ssl
-import subprocess
 import sys
 import threading
 import time
@@ -331,23 +329,6 @@ async def test_https(certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyP
     assert record.error is None
     assert record.finished
     assert (record.streamed_tokens, record.output_tokens, record.finish_reason) == (2, 2, "stop")
-
-
-@pytest.fixture
-def certificate(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subject = ["-subj", "/CN=kvgate-test", "-addext", "subjectAltName=IP:127.0.0.1"]
-    files = ["-keyout", str(key), "-out", str(cert)]
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", *subject, *files],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
 
 
 def test_the_runner_works_on_uvloop() -> None:

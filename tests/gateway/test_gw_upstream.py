@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import ssl
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -560,23 +558,6 @@ async def test_idle_connections_expire() -> None:
         assert server.connections == 2
         assert upstream.open_connections == 1
         await upstream.aclose()
-
-
-@pytest.fixture
-def certificate(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subject = ["-subj", "/CN=kvgate-test", "-addext", "subjectAltName=IP:127.0.0.1"]
-    files = ["-keyout", str(key), "-out", str(cert)]
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", *subject, *files],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
 
 
 async def test_https_backend(certificate: tuple[Path, Path]) -> None:
