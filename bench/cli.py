@@ -144,7 +144,7 @@ def register(subparsers: Any) -> None:
         type=float,
         default=600.0,
         metavar="S",
-        help="read timeout of a silent connection when no --deadline is set",
+        help="give up on a connection silent this long (with or without --deadline)",
     )
     parser.set_defaults(func=main)
 
