@@ -79,11 +79,12 @@ def plot_outcomes(results: Sequence[RunResult], deadline_s: float | None, path: 
 
 def plot_timeseries(results: Sequence[RunResult], path: Path) -> None:
     plt = _pyplot()
-    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
     panels = (
         ("kv_usage", "vLLM KV-cache usage (fraction)"),
         ("busy", "vLLM requests running + waiting"),
         ("queue_depth", "kvgate queue depth"),
+        ("plain_queue_wait_s", "kvgate: wait in a queue that sheds nothing (s)"),
     )
     for i, result in enumerate(results):
         for source in dict.fromkeys(p.source for p in result.samples):

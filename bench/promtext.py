@@ -1,6 +1,7 @@
 """The few Prometheus metrics the bench samples from targets and backends (pure).
 
-One scrape becomes a `Reading`: kvgate's queue depth and vLLM's KV usage, running and waiting
+One scrape becomes a `Reading`: kvgate's queue depth and the wait it predicts for a queue that
+sheds nothing, and vLLM's KV usage, running and waiting
 requests, and the counters whose deltas the report needs (preemptions, generated and prompt
 tokens, prompt tokens found in the prefix cache). Series are summed over their labels (engines, models, priorities), except KV usage,
 a fraction, which is averaged over engines.
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # gpu_cache_usage_perc; counters appear with their `_total` suffix.
 SAMPLE_FIELDS: Mapping[str, str] = {
     "kvgate_queue_depth": "queue_depth",
+    "kvgate_plain_queue_wait_seconds": "plain_queue_wait_s",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:gpu_cache_usage_perc": "kv_usage",
     "vllm:num_requests_running": "running",
@@ -38,6 +40,7 @@ class Reading:
     """One scrape of one /metrics URL. A field is None when the scrape did not have it."""
 
     queue_depth: float | None = None
+    plain_queue_wait_s: float | None = None
     kv_usage: float | None = None
     running: float | None = None
     waiting: float | None = None

@@ -265,6 +265,8 @@ def test_metrics_reading_sums_labels_and_averages_kv_usage() -> None:
             "# TYPE kvgate_queue_depth gauge",
             'kvgate_queue_depth{priority="high"} 2',
             'kvgate_queue_depth{priority="low"} 3',
+            "# TYPE kvgate_plain_queue_wait_seconds gauge",
+            "kvgate_plain_queue_wait_seconds 4.5",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             'vllm:kv_cache_usage_perc{engine="0"} 0.5',
             'vllm:kv_cache_usage_perc{engine="1"} 0.25',
@@ -279,6 +281,8 @@ def test_metrics_reading_sums_labels_and_averages_kv_usage() -> None:
         ]
     )
     reading = parse_reading(text)
-    assert reading == Reading(queue_depth=5, kv_usage=0.375, running=5, preemptions_total=7)
+    assert reading == Reading(
+        queue_depth=5, plain_queue_wait_s=4.5, kv_usage=0.375, running=5, preemptions_total=7
+    )
     assert not reading.is_vllm
     assert reading.busy == 5
