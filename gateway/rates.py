@@ -107,14 +107,21 @@ class VirtualBacklog:
     late if need be); if not, the load is beyond the backend's capacity, and serving requests
     late only pushes others late too.
 
+    An arrival counts as beyond capacity once the plain queue's wait passes `share` of its
+    deadline budget: below 1, the gateway turns strict before the overload is certain, betting
+    that a burst which already fills most of the clients' patience will go on.
+
     The backlog is capped at `cap_factor` times the arrival's own deadline budget, so that it
     forgets an overload about a deadline's worth of draining after the load falls back.
     """
 
-    def __init__(self, cap_factor: float = 1.25) -> None:
+    def __init__(self, cap_factor: float = 1.25, share: float = 1.0) -> None:
         if cap_factor < 1.0:
             raise ValueError("cap_factor must be at least 1")
+        if not 0.0 < share <= 1.0:
+            raise ValueError("share must be in (0, 1]")
         self._cap_factor = cap_factor
+        self.share = share
         self.blocks = 0.0
         self._at: float | None = None
 
@@ -130,9 +137,9 @@ class VirtualBacklog:
 
     def offer(self, blocks: float, now: float, rate: float, budget_s: float) -> bool:
         """Add an arrival of `blocks` with `budget_s` seconds to its deadline; True when a plain
-        queue would serve it too late."""
+        queue would keep it waiting past `share` of that."""
         self._drain(now, rate)
         self.blocks += blocks
-        beyond = self.blocks / rate > budget_s
+        beyond = self.blocks / rate > self.share * budget_s
         self.blocks = min(self.blocks, rate * max(0.0, budget_s) * self._cap_factor + blocks)
         return beyond

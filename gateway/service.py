@@ -211,7 +211,7 @@ class BackendGateway:
         # the rate queue waits are predicted at and the virtual backlog drains at.
         self.saturated_drain = DecayingRate(settings.drain_rate_horizon_s)
         self._saturated = BusyClock(clock())
-        self.virtual_backlog = VirtualBacklog()
+        self.virtual_backlog = VirtualBacklog(share=settings.overload_wait_share)
         self._busy = BusyClock(clock())
         self.first_token_after_admit = Ewma(SERVICE_TIME_EWMA_ALPHA)
         self.seconds_per_output_token = Ewma(SERVICE_TIME_EWMA_ALPHA)
@@ -287,6 +287,7 @@ class BackendGateway:
         self.budget.reconfigure(capacity_config(settings))
         self.output_model.quantile = settings.output_quantile
         self.queue.strict_lookback_s = settings.objective_lookback_s
+        self.virtual_backlog.share = settings.overload_wait_share
         self.poller.reconfigure(
             interval_s=settings.metrics_poll_interval_s, timeout_s=settings.metrics_timeout_s
         )

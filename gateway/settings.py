@@ -59,6 +59,9 @@ DEFAULT_DRAIN_RATE_HORIZON_S = 10.0
 # recently are judged by their first-token objectives too (see gateway.waitqueue); a 429 for
 # them still comes within this long of their arrival.
 DEFAULT_OBJECTIVE_LOOKBACK_S = 0.75
+# The load counts as beyond capacity once a plain queue would keep an arrival waiting this share
+# of its deadline budget (see gateway.rates.VirtualBacklog).
+DEFAULT_OVERLOAD_WAIT_SHARE = 1.0
 # An arrival joins the queue only when predicted to leave it this share of its time to the
 # deadline early (see gateway.admission.PolicyConfig.arrival_slack).
 DEFAULT_ARRIVAL_SLACK = 0.1
@@ -155,6 +158,7 @@ class Settings(BaseSettings):
     early_shed: bool = True
     drain_rate_horizon_s: float = Field(DEFAULT_DRAIN_RATE_HORIZON_S, gt=0)
     objective_lookback_s: float = Field(DEFAULT_OBJECTIVE_LOOKBACK_S, ge=0, le=10)
+    overload_wait_share: float = Field(DEFAULT_OVERLOAD_WAIT_SHARE, gt=0, le=1)
     arrival_slack: float = Field(DEFAULT_ARRIVAL_SLACK, ge=0, lt=1)
     retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0)
     retry_after_min_s: float = Field(DEFAULT_RETRY_AFTER_MIN_S, gt=0)
@@ -285,6 +289,7 @@ RELOADABLE_SETTINGS = frozenset(
         "hol_max_bypass",
         "early_shed",
         "objective_lookback_s",
+        "overload_wait_share",
         "arrival_slack",
         "retry_after_s",
         "retry_after_min_s",

@@ -110,7 +110,12 @@ def main() -> int:
     parser.add_argument(
         "--kvgate", action="store_true", help="also run through kvgate in front of vLLM straight"
     )
-    parser.add_argument("--kvgate-args", default="", help="extra `kvgate serve` arguments")
+    parser.add_argument(
+        "--kvgate-args",
+        action="append",
+        help="extra `kvgate serve` arguments; repeat to run several kvgates side by side, "
+        "each with its own (implies --kvgate)",
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--port", type=int, default=8041)
@@ -124,22 +129,26 @@ def main() -> int:
         extra = [] if guard == "none" else ["--max-num-queued-reqs", guard]
         label = "vllm" if guard == "none" else f"vllm N={guard}"
         vllm = testbed.start(args.port, args.out / f"vllm-{guard}.log", extra)
-        kvgate = None
+        kvgates: list[subprocess.Popen[bytes]] = []
+        names = {}
         backend = f"http://127.0.0.1:{args.port}"
         try:
             targets = [backend]
-            if guard == "none" and args.kvgate:
-                kvgate = start_kvgate(
-                    backend, args.port + 1, args.out / "kvgate.log", args.kvgate_args.split()
-                )
-                targets.append(f"http://127.0.0.1:{args.port + 1}")
+            variants = args.kvgate_args or ([""] if args.kvgate else [])
+            for index, variant in enumerate(variants if guard == "none" else []):
+                port = args.port + 1 + index
+                log = args.out / ("kvgate.log" if index == 0 else f"kvgate-{index}.log")
+                kvgates.append(start_kvgate(backend, port, log, variant.split()))
+                url = f"http://127.0.0.1:{port}"
+                targets.append(url)
+                names[url] = f"kvgate {variant}".strip() if len(variants) > 1 else "kvgate"
             for rate in rates:
                 results = run_bench(targets, backend, rate, args, args.out / f"{guard}-rate{rate:g}")
                 # With --repeat the bench alternates the targets round after round (A B A B):
                 # one result per target and round, in that order.
                 for index, result in enumerate(results):
                     target = targets[index % len(targets)]
-                    name = "kvgate" if target != backend else label
+                    name = names.get(target, label)
                     if args.repeat > 1:
                         name += f" #{index // len(targets) + 1}"
                     rows.append((name, rate, result))
@@ -152,7 +161,7 @@ def main() -> int:
                         flush=True,
                     )
         finally:
-            if kvgate is not None:
+            for kvgate in kvgates:
                 testbed.stop_process(kvgate.pid)
                 kvgate.wait(timeout=30)
             testbed.stop_process(vllm.pid)

@@ -91,7 +91,25 @@ def test_sustained_overload_is_beyond_capacity_and_forgotten_after_a_deadline() 
     assert backlog.offer(3, 20.0, 10.0, 4.0) is False
 
 
-def test_a_past_deadline_is_beyond_and_the_cap_factor_is_checked() -> None:
+def test_a_share_of_the_deadline_turns_strict_sooner_and_keeps_the_memory() -> None:
+    # The same 3x overload against a 4 s deadline: with share 0.5 the plain wait passes 2 s after
+    # about 1 s instead of 2 s.
+    half = VirtualBacklog(cap_factor=1.25, share=0.5)
+    verdicts = [half.offer(3, i / 10, 10.0, 4.0) for i in range(100)]
+    assert 8 <= verdicts.index(True) <= 12
+    assert all(verdicts[verdicts.index(True) :])
+    # The cap still follows the whole deadline, not the share.
+    assert half.wait_s(9.9, 10.0) > 0.5 * 4.0 * 1.25
+    # A burst worth 3 s of draining is beyond half of a 4 s budget, within the whole of it.
+    whole, half = VirtualBacklog(), VirtualBacklog(share=0.5)
+    assert [whole.offer(30, 0.0, 10.0, 4.0) for _ in range(1)] == [False]
+    assert [half.offer(30, 0.0, 10.0, 4.0) for _ in range(1)] == [True]
+
+
+def test_a_past_deadline_is_beyond_and_the_parameters_are_checked() -> None:
     assert VirtualBacklog().offer(1, 0.0, 10.0, 0.0) is True
     with pytest.raises(ValueError, match="at least 1"):
         VirtualBacklog(cap_factor=0.5)
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="share"):
+            VirtualBacklog(share=share)
