@@ -42,18 +42,19 @@ def real_vllm_url() -> str:
     return url.rstrip("/")
 
 
-# Even within a minute the testbed's speed for this burst varies by a tenth or more: compare the
-# emulator with each of a few real runs and pass when one of them is within the targets.
-REAL_ATTEMPTS = 3
+# Even within a minute the testbed's speed varies by a tenth or more, and so does a calibration
+# taken from it: each attempt calibrates anew, runs the emulator, then the testbed, and the test
+# passes when one attempt is within the targets.
+ATTEMPTS = 3
 
 
 async def test_burst_throughput_and_preemptions_match_the_testbed(real_vllm_url: str) -> None:
-    calibration = await calibrate(real_vllm_url, repeats=3)
-    with running_sim_process(sim_config_for_testbed(calibration.cost)) as sim_url:
-        sim = await replay_alone(sim_url, BURST, seed=3)
     reports = []
     busy_attempts = 0
-    for _ in range(REAL_ATTEMPTS):
+    for _ in range(ATTEMPTS):
+        calibration = await calibrate(real_vllm_url, repeats=3)
+        with running_sim_process(sim_config_for_testbed(calibration.cost)) as sim_url:
+            sim = await replay_alone(sim_url, BURST, seed=3)
         real = await replay_alone(real_vllm_url, BURST, seed=3)
         busy = max(real.other_load_cores, sim.other_load_cores)
         report = (
@@ -71,6 +72,6 @@ async def test_burst_throughput_and_preemptions_match_the_testbed(real_vllm_url:
         assert real.preemptions > 0, report
         if all(within_targets(real, sim)):
             return
-    if busy_attempts == REAL_ATTEMPTS:
+    if busy_attempts == ATTEMPTS:
         pytest.skip("the machine was busy with other work on every attempt")
-    pytest.fail("no real run within the fidelity targets: " + " | ".join(reports))
+    pytest.fail("no attempt within the fidelity targets: " + " | ".join(reports))
