@@ -130,7 +130,7 @@ def main() -> int:
         label = "vllm" if guard == "none" else f"vllm N={guard}"
         vllm = testbed.start(args.port, args.out / f"vllm-{guard}.log", extra)
         kvgates: list[subprocess.Popen[bytes]] = []
-        names = {}
+        names: dict[str, str] = {}  # kvgate URL -> its row label
         backend = f"http://127.0.0.1:{args.port}"
         try:
             targets = [backend]
