@@ -105,6 +105,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
     return PolicyConfig(
         max_queued=settings.queue_max(),
         max_bypass=settings.hol_max_bypass,
+        hol_deadline_share=settings.hol_deadline_share,
         early_shed=settings.early_shed,
         retry=RetryAdvice(settings.retry_after_s, settings.retry_after_min_s, settings.retry_after_max_s),
         arrival_slack=settings.arrival_slack,

@@ -53,7 +53,10 @@ DEFAULT_OUTPUT_WINDOW_SAMPLES = 1000
 # Queue.
 DEFAULT_QUEUE_MAX_REQUESTS = 256
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
-DEFAULT_HOL_MAX_BYPASS = 8
+DEFAULT_HOL_MAX_BYPASS = 128
+# A waiter that does not fit blocks the queue once its wait, were blocks held for it, reaches
+# this share of the time left to its deadline (see gateway.admission).
+DEFAULT_HOL_DEADLINE_SHARE = 0.5
 DEFAULT_DRAIN_RATE_HORIZON_S = 10.0
 # When an arrival finds the backend beyond capacity, requests that joined the queue this
 # recently are judged by their first-token objectives too (see gateway.waitqueue); a 429 for
@@ -155,6 +158,7 @@ class Settings(BaseSettings):
     queue_timeout_normal_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
     queue_timeout_low_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
     hol_max_bypass: int = Field(DEFAULT_HOL_MAX_BYPASS, ge=0)
+    hol_deadline_share: float = Field(DEFAULT_HOL_DEADLINE_SHARE, ge=0, le=1)
     early_shed: bool = True
     drain_rate_horizon_s: float = Field(DEFAULT_DRAIN_RATE_HORIZON_S, gt=0)
     objective_lookback_s: float = Field(DEFAULT_OBJECTIVE_LOOKBACK_S, ge=0, le=10)
@@ -287,6 +291,7 @@ RELOADABLE_SETTINGS = frozenset(
         "queue_timeout_normal_s",
         "queue_timeout_low_s",
         "hol_max_bypass",
+        "hol_deadline_share",
         "early_shed",
         "objective_lookback_s",
         "overload_wait_share",

@@ -147,6 +147,36 @@ def test_small_requests_overtake_a_big_head_a_bounded_number_of_times() -> None:
     assert blocked.admit == ()
 
 
+def test_a_big_head_with_time_to_spare_is_overtaken_beyond_the_count() -> None:
+    # 20 blocks short at 10 blocks/s: 2 s if blocks were held for it; its deadline is 10 s
+    # away, so blocking now would idle the pool for nothing. The count bound (2) still holds.
+    queue = waiters(ask(30, deadline=10.0), ask(5), ask(5), ask(5))
+    plan = POLICY.plan(queue, budget(10), drain_rate=10.0, now=0.0)
+    assert plan.admit == (1, 2)
+    assert plan.bypassed == ((0, 2),)
+    unbounded = AdmissionPolicy(replace(CONFIG, max_bypass=1000))
+    assert unbounded.plan(queue, budget(15), drain_rate=10.0, now=0.0).admit == (1, 2, 3)
+
+
+def test_a_big_head_blocks_the_queue_once_its_deadline_needs_the_blocks() -> None:
+    policy = AdmissionPolicy(replace(CONFIG, max_bypass=1000, hol_deadline_share=0.5))
+    queue = waiters(ask(30, deadline=10.0), ask(5))
+    # 20 blocks short at 10 blocks/s = 2 s: below half of the 10 s left, the small one passes.
+    assert policy.plan(queue, budget(10), drain_rate=10.0, now=0.0).admit == (1,)
+    # 6 s later only 4 s are left: 2 s is half of them, so the blocks are held for the head.
+    assert policy.plan(queue, budget(10), drain_rate=10.0, now=6.0).admit == ()
+    # A slower drain reaches the same point earlier: 20 blocks at 4 blocks/s = 5 s of 10.
+    assert policy.plan(queue, budget(10), drain_rate=4.0, now=0.0).admit == ()
+    # Without a drain rate only the count bounds the bypass.
+    assert policy.plan(queue, budget(10), None, now=6.0).admit == (1,)
+
+
+def test_zero_deadline_share_blocks_at_once() -> None:
+    policy = AdmissionPolicy(replace(CONFIG, max_bypass=1000, hol_deadline_share=0.0))
+    plan = policy.plan(waiters(ask(30, deadline=10.0), ask(5)), budget(20), drain_rate=10.0, now=0.0)
+    assert plan.admit == ()
+
+
 def test_zero_bypass_is_strict_fifo() -> None:
     policy = AdmissionPolicy(replace(CONFIG, max_bypass=0))
     plan = policy.plan(waiters(ask(30), ask(5)), budget(20), None, now=0.0)
