@@ -157,7 +157,8 @@ class PolicyConfig:
     early_shed: bool
     retry: RetryAdvice
     # A waiter blocks the queue once its wait, were blocks held for it, reaches this share of
-    # the time left to its deadline (see the module docstring). 0 blocks at once (no bypass).
+    # the time left to its deadline (see the module docstring). 0: no bypass once a drain rate
+    # is known.
     hol_deadline_share: float = 0.5
     # An arrival must be predicted ready this share of its time to the deadline early: a
     # prediction has errors, and a request let in on a close call that then misses would be
@@ -257,8 +258,12 @@ class AdmissionPolicy:
                 allowance -= 1
                 continue
             shortfall = ahead + ask.reserve_blocks - free
-            if self.config.early_shed and drain_rate is not None and drain_rate > 0:
-                ready_at = now + max(0, shortfall) / drain_rate
+            # Seconds until it fits if blocks were held for it from now; None: no rate known.
+            held_wait_s = (
+                max(0, shortfall) / drain_rate if drain_rate is not None and drain_rate > 0 else None
+            )
+            if self.config.early_shed and held_wait_s is not None:
+                ready_at = now + held_wait_s
                 reason = None
                 latest = ask.deadline_at
                 if waiter.arriving:
@@ -275,17 +280,12 @@ class AdmissionPolicy:
             ahead += ask.reserve_blocks
             staying.append((waiter.key, len(admit)))
             allowance = min(allowance, max(0, self.config.max_bypass - waiter.bypassed))
-            if self._deadline_needs_blocks(ask, shortfall, drain_rate, now):
-                allowance = 0
+            if held_wait_s is not None and held_wait_s >= self.config.hol_deadline_share * (
+                ask.deadline_at - now
+            ):
+                allowance = 0  # its deadline needs the blocks: hold them for it from now on
         bypassed = tuple((key, len(admit) - before) for key, before in staying if len(admit) > before)
         return Plan(tuple(admit), tuple(shed), bypassed)
-
-    def _deadline_needs_blocks(self, ask: Ask, shortfall: int, drain_rate: float | None, now: float) -> bool:
-        """Whether the queue must hold blocks for this waiter from now on to keep its deadline."""
-        if drain_rate is None or drain_rate <= 0:
-            return False
-        left = ask.deadline_at - now
-        return max(0, shortfall) / drain_rate >= self.config.hol_deadline_share * left
 
     def retry_after(self, blocks_to_free: float, drain_rate: float | None) -> float:
         return self.config.retry.after(blocks_to_free, drain_rate)
