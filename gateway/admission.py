@@ -169,11 +169,14 @@ class PolicyConfig:
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The outcome of one `plan` call. `admit` is in admission order; `bypassed` lists the
-    waiters that stay queued and were overtaken, with how many times in this plan."""
+    waiters that stay queued and were overtaken, with how many times in this plan; `predicted`
+    the seconds each arriving waiter that stays is predicted to wait (the prediction its early
+    shedding weighed), when a drain rate is known."""
 
     admit: tuple[int, ...]
     shed: tuple[tuple[int, Decision], ...]
     bypassed: tuple[tuple[int, int], ...]
+    predicted: tuple[tuple[int, float], ...] = ()
 
 
 EMPTY_PLAN = Plan((), (), ())
@@ -246,6 +249,7 @@ class AdmissionPolicy:
         # allowance left among them. At zero the queue is blocked behind them.
         allowance = math.inf
         staying: list[tuple[int, int]] = []  # (key, admissions so far when it stayed)
+        predicted: list[tuple[int, float]] = []
         for waiter in waiters:
             ask = waiter.ask
             if now >= ask.deadline_at:
@@ -279,13 +283,15 @@ class AdmissionPolicy:
                     continue
             ahead += ask.reserve_blocks
             staying.append((waiter.key, len(admit)))
+            if waiter.arriving and held_wait_s is not None:
+                predicted.append((waiter.key, held_wait_s))
             allowance = min(allowance, max(0, self.config.max_bypass - waiter.bypassed))
             if held_wait_s is not None and held_wait_s >= self.config.hol_deadline_share * (
                 ask.deadline_at - now
             ):
                 allowance = 0  # its deadline needs the blocks: hold them for it from now on
         bypassed = tuple((key, len(admit) - before) for key, before in staying if len(admit) > before)
-        return Plan(tuple(admit), tuple(shed), bypassed)
+        return Plan(tuple(admit), tuple(shed), bypassed, tuple(predicted))
 
     def retry_after(self, blocks_to_free: float, drain_rate: float | None) -> float:
         return self.config.retry.after(blocks_to_free, drain_rate)

@@ -24,6 +24,7 @@ from gateway.outcomes import Outcome
 QUEUE_WAIT_BUCKETS_S = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 ERROR_BUCKETS_TOKENS = (-1024, -256, -64, -16, -4, 0, 4, 16, 64, 256, 1024)
+WAIT_ERROR_BUCKETS_S = (-8.0, -4.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 FIRST_BYTE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -191,6 +192,16 @@ class GatewayMetrics:
                 "Time from arrival to admission or shedding",
                 ["backend", "priority"],
                 buckets=QUEUE_WAIT_BUCKETS_S,
+                registry=registry,
+            )
+        )
+        self.queue_wait_prediction_error = _Labelled(
+            Histogram(
+                "kvgate_queue_wait_prediction_error_seconds",
+                "Queue wait minus the wait predicted at arrival, per request that had to wait "
+                "(for one shed or gone while queued, the least the prediction was short by)",
+                ["backend"],
+                buckets=WAIT_ERROR_BUCKETS_S,
                 registry=registry,
             )
         )

@@ -29,6 +29,8 @@ class RequestSummary:
     arrived_at: float
     finished_at: float
     queue_s: float = 0.0
+    # What the queue predicted it would wait, for a request that had to (None otherwise).
+    predicted_queue_s: float | None = None
     priority: str | None = None
     model: str | None = None
     stream: bool | None = None
@@ -40,6 +42,10 @@ class RequestSummary:
     @property
     def queue_ms(self) -> int:
         return round(max(0.0, self.queue_s) * 1000)
+
+    @property
+    def predicted_queue_ms(self) -> int | None:
+        return None if self.predicted_queue_s is None else round(max(0.0, self.predicted_queue_s) * 1000)
 
     @property
     def duration_ms(self) -> int:
@@ -57,6 +63,7 @@ class RequestSummary:
             "outcome": self.outcome.value,
             "status": self.status,
             "queue_ms": self.queue_ms,
+            "predicted_queue_ms": self.predicted_queue_ms,
             "duration_ms": self.duration_ms,
             "estimated_blocks": self.estimated_blocks,
             "actual_blocks": self.actual_blocks,

@@ -137,6 +137,8 @@ class Reservation:
         self.key = key
         self.prepared = prepared
         self.queued_at: float | None = None
+        # What the queue predicted it would wait, when it had to wait (see QueueEntry).
+        self.predicted_queue_s: float | None = None
         self.admitted_at: float | None = None
         self.first_byte_at: float | None = None
         self.finished = False
@@ -650,6 +652,7 @@ class BackendGateway:
         entry = self.queue.enter(
             key, prepared.ask, reservation.open, strict=self._beyond_capacity(prepared.ask, now)
         )
+        reservation.predicted_queue_s = entry.predicted_wait_s
         try:
             if not entry.done:
                 await self._wait(entry, receive)
@@ -686,7 +689,24 @@ class BackendGateway:
         now = self.clock()
         waited = max(0.0, (entry.resolved_at or now) - entry.entered_at)
         self.metrics.queue_wait.labels(self.name, prepared.ask.priority.value).observe(waited)
-        self.conclude(_summary(self.name, prepared, outcome, status, now, queue_s=waited))
+        # Shed or gone after waiting: it would have waited longer still, so this is the least
+        # the prediction was short by.
+        self._observe_wait_prediction(entry.predicted_wait_s, waited)
+        self.conclude(
+            _summary(
+                self.name,
+                prepared,
+                outcome,
+                status,
+                now,
+                queue_s=waited,
+                predicted_queue_s=entry.predicted_wait_s,
+            )
+        )
+
+    def _observe_wait_prediction(self, predicted_s: float | None, waited_s: float) -> None:
+        if predicted_s is not None:
+            self.metrics.queue_wait_prediction_error.labels(self.name).observe(waited_s - predicted_s)
 
     def conclude(self, summary: RequestSummary) -> None:
         """Record a request's final outcome: the one place it is counted, kept for
@@ -771,6 +791,7 @@ class BackendGateway:
         self.metrics.request_blocks.labels(self.name).observe(prepared.demand.reserved_blocks)
         waited = reservation.queue_seconds
         self.metrics.queue_wait.labels(self.name, prepared.ask.priority.value).observe(max(0.0, waited))
+        self._observe_wait_prediction(reservation.predicted_queue_s, waited)
 
     def _on_first_byte(self, reservation: Reservation, now: float) -> None:
         arrived = reservation.prepared.ask.arrived_at
@@ -831,6 +852,7 @@ def _summary(
     now: float,
     *,
     queue_s: float,
+    predicted_queue_s: float | None = None,
     actual_blocks: int | None = None,
     completion_tokens: int | None = None,
 ) -> RequestSummary:
@@ -843,6 +865,7 @@ def _summary(
         arrived_at=prepared.ask.arrived_at,
         finished_at=now,
         queue_s=queue_s,
+        predicted_queue_s=predicted_queue_s,
         priority=prepared.ask.priority.value,
         model=prepared.model,
         stream=prepared.streaming,
@@ -889,6 +912,7 @@ def _finished_summary(
         status,
         now,
         queue_s=reservation.queue_seconds,
+        predicted_queue_s=reservation.predicted_queue_s,
         actual_blocks=actual,
         completion_tokens=completion,
     )

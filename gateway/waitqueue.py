@@ -35,6 +35,9 @@ class QueueEntry:
     future: asyncio.Future[Decision]
     entered_at: float
     resolved_at: float | None = None
+    # Seconds the policy predicted it would wait, in its first plan (None: admitted or shed
+    # then, or no drain rate known).
+    predicted_wait_s: float | None = None
 
     @property
     def key(self) -> int:
@@ -197,6 +200,8 @@ class WaitQueue:
         for key, count in plan.bypassed:
             entry = self._find(key)
             entry.waiter = replace(entry.waiter, bypassed=entry.waiter.bypassed + count)
+        for key, wait_s in plan.predicted:
+            self._find(key).predicted_wait_s = wait_s
         for key in self._fresh:
             if (seen := self._find_waiting(key)) is not None:
                 seen.waiter = replace(seen.waiter, arriving=False, strict=False)

@@ -197,6 +197,7 @@ REQUIRED_SERIES = {
     "KV blocks admissible": "kvgate_kv_blocks_admissible",
     "preemptions": "vllm:num_preemptions_total",
     "output-length prediction error": "kvgate_output_prediction_error_tokens_bucket",
+    "queue wait prediction error": "kvgate_queue_wait_prediction_error_seconds_bucket",
     "backend health": "kvgate_backend_up",
     "metrics staleness": "kvgate_backend_metrics_age_seconds",
     "vLLM KV usage": "vllm:kv_cache_usage_perc",

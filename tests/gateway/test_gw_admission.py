@@ -205,6 +205,20 @@ def test_work_ahead_counts_in_the_predicted_wait() -> None:
     assert relaxed.shed == ()
 
 
+def test_the_wait_predicted_for_each_arrival_that_stays_is_reported() -> None:
+    queue = [
+        Waiter(0, ask(40, deadline=100.0)),  # queued before: no new prediction
+        Waiter(1, ask(10, deadline=100.0), arriving=True),  # (40 + 10 - 5) / 10 = 4.5 s
+        Waiter(2, ask(5), arriving=True),  # fits, admitted: nothing to predict
+        Waiter(3, ask(10, deadline=1.0), arriving=True),  # shed: nothing to predict
+    ]
+    plan = AdmissionPolicy(replace(CONFIG, max_bypass=5)).plan(queue, budget(5), 10.0, now=0.0)
+    assert plan.admit == (2,)
+    assert [key for key, _ in plan.shed] == [3]
+    assert plan.predicted == ((1, pytest.approx(4.5)),)
+    assert POLICY.plan(queue, budget(5), None, now=0.0).predicted == ()  # no rate, no prediction
+
+
 def test_a_strict_arrival_is_shed_when_it_would_miss_its_objective() -> None:
     # 40 blocks short at 10 blocks/s: ready in 4 s; deadline in 9 s, objective in 2 s.
     arrival = Ask(50, 50, Priority.NORMAL, arrived_at=0.0, deadline_at=9.0, objective_at=2.0)

@@ -201,6 +201,34 @@ async def test_requests_wait_for_blocks_and_leave_the_ledger_balanced() -> None:
         assert ledger_is_empty(harness.gateway)
 
 
+async def test_a_queued_request_keeps_its_predicted_wait_for_the_metric_and_the_log() -> None:
+    slow = SimConfig(engine=SLOW_ENGINE)
+    async with gateway_over_sim(slow) as harness:
+        gateway = harness.gateway
+        body = {**COMPLETION, "prompt": "y", "max_tokens": 500}  # 16 blocks: 3 at once
+        # Until blocks have been seen to free up, nobody's wait can be predicted.
+        rounds = 0
+        while gateway.capacity_rate(gateway.clock()) is None:
+            rounds += 1
+            assert rounds <= 5, "no drain rate after five rounds"
+            await asyncio.gather(*(harness.client.post("/v1/completions", json=body) for _ in range(6)))
+        responses = await asyncio.gather(
+            *(harness.client.post("/v1/completions", json=body) for _ in range(6))
+        )
+        assert [r.status_code for r in responses] == [200] * 6
+        queued = {r.headers["x-request-id"] for r in responses if int(r.headers["x-kvgate-queue-ms"]) > 0}
+        assert queued
+        summaries = {s.request_id: s for s in gateway.recent.latest()}
+        for request_id in queued:
+            predicted = summaries[request_id].fields()["predicted_queue_ms"]
+            assert isinstance(predicted, int)
+            assert predicted > 0
+        text = (await harness.client.get("/metrics")).text
+        count = f'kvgate_queue_wait_prediction_error_seconds_count{{backend="default"}} {float(len(queued))}'
+        assert count in text
+        assert ledger_is_empty(gateway)
+
+
 async def test_queue_full_and_deadlines_shed_with_retry_hints() -> None:
     slow = SimConfig(engine=SLOW_ENGINE)
     async with gateway_over_sim(slow, queue_max_normal=1) as harness:

@@ -57,6 +57,7 @@ REQUEST_FIELDS = {
     "outcome",
     "status",
     "queue_ms",
+    "predicted_queue_ms",
     "duration_ms",
     "estimated_blocks",
     "actual_blocks",
@@ -242,6 +243,7 @@ async def test_the_json_request_line_has_the_fields_and_no_secrets(
     assert plain["outcome"] == "completed"
     assert plain["status"] == 200
     assert plain["queue_ms"] == int(response.headers["x-kvgate-queue-ms"])
+    assert plain["predicted_queue_ms"] is None  # it did not have to queue
     assert plain["estimated_blocks"] == int(response.headers["x-kvgate-blocks"])
     assert plain["completion_tokens"] == response.json()["usage"]["completion_tokens"] == 8
     assert plain["prompt_tokens"] > 0

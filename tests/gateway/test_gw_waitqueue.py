@@ -113,6 +113,23 @@ async def test_waiters_are_admitted_in_priority_order_when_blocks_free() -> None
     assert low.future.result().kind is DecisionKind.ADMIT
 
 
+async def test_an_arrival_that_must_wait_keeps_the_wait_predicted_for_it() -> None:
+    clock, budget = FakeClock(), FakeBudget()
+    queue = WaitQueue(policy=POLICY, budget=budget, drain_rate=lambda now: 4.0, clock=clock)
+    first = queue.enter(1, ask(8, clock), lambda now: budget.book(1, 8))
+    second = queue.enter(2, ask(6, clock), lambda now: budget.book(2, 6))
+    third = queue.enter(3, ask(4, clock), lambda now: budget.book(3, 4))
+    assert first.done
+    assert first.predicted_wait_s is None  # admitted at once
+    assert second.predicted_wait_s == pytest.approx(1.0)  # 6 - 2 free, at 4 blocks/s
+    assert third.predicted_wait_s == pytest.approx(2.0)  # 6 queued ahead + 4 - 2 free
+    clock.now += 5
+    budget.release(1)
+    queue.pump()  # later plans leave the arrival's prediction as it was
+    assert second.done
+    assert third.predicted_wait_s == pytest.approx(2.0)
+
+
 async def test_leaving_withdraws_at_once_and_lets_the_next_in() -> None:
     clock, budget = FakeClock(), FakeBudget(total=11)
     queue = make_queue(clock, budget)
