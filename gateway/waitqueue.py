@@ -150,6 +150,7 @@ class WaitQueue:
             )
             if overflow is not None:
                 del queue[key]
+                entry.predicted_wait_s = None  # it never waited: nothing to check the prediction by
                 self._resolve(entry, overflow, now)
         return entry
 

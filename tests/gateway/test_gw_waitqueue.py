@@ -123,6 +123,9 @@ async def test_an_arrival_that_must_wait_keeps_the_wait_predicted_for_it() -> No
     assert first.predicted_wait_s is None  # admitted at once
     assert second.predicted_wait_s == pytest.approx(1.0)  # 6 - 2 free, at 4 blocks/s
     assert third.predicted_wait_s == pytest.approx(2.0)  # 6 queued ahead + 4 - 2 free
+    overflow = queue.enter(4, ask(4, clock), lambda now: budget.book(4, 4))
+    assert overflow.future.result().reason is Reason.QUEUE_FULL
+    assert overflow.predicted_wait_s is None  # refused, it never waited
     clock.now += 5
     budget.release(1)
     queue.pump()  # later plans leave the arrival's prediction as it was
