@@ -10,18 +10,29 @@ sequences has streamed so far, and from those two numbers in blocks:
 - `credit`: blocks the closed loop showed it does not really occupy (prefix-cache sharing),
   set by `gateway.capacity` at each scrape and leaving with the request.
 
+Requests do not all reach their peaks at once: while one is at its end, another has just
+begun. With `multiplex` on, the ledger commits the projected peak of the whole set rather than
+the sum of the peaks (see `projected_peak_blocks`), and the difference is `multiplex_blocks`.
+It is recomputed at each scrape (`rebalance`, after the credit) and at each close while few
+requests are in flight; in between, an admission adds its whole reservation and a close keeps
+the set's last peak, so closes and admissions never take the commitment below the set's
+projected peak. Streamed tokens are not a recomputation point (they come by the thousand per
+second): one request moving ahead of the others between two of them shifts the projection by
+at most the blocks it grows meanwhile.
+
 `Ledger` is the interface the rest of the gateway uses, so that a store shared between
 replicas can replace the in-memory one. Its contract: called from one event loop only (no
-locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries)),
-`close` is idempotent and the totals are exact integer sums over the open entries. Whatever
-runs on every request (admission, the queue's drain-rate projection) reads totals only, never
+locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries))
+and `rebalance` (O(entries x PEAK_BREAKPOINTS), also run by `close` while at most
+`REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is idempotent and the totals (but
+`multiplex_blocks`) are exact integer sums over the open entries. Whatever runs on every request (admission, the queue's drain-rate projection) reads totals only, never
 iterates the entries: its cost must not grow with the number of requests in flight.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,11 +47,13 @@ class LedgerTotals:
     reserved_blocks: int
     held_blocks: int
     credit_blocks: int
+    multiplex_blocks: int = 0
 
     @property
     def committed_blocks(self) -> int:
-        """Blocks promised to the requests in flight, net of what vLLM shares between them."""
-        return self.reserved_blocks - self.credit_blocks
+        """Blocks promised to the requests in flight, net of what vLLM shares between them
+        and of the peaks they do not reach together."""
+        return self.reserved_blocks - self.credit_blocks - self.multiplex_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,22 +128,82 @@ class Ledger(Protocol):
         Fresh entries get no credit. `kept_fraction` lies in [0, 1]."""
         ...
 
+    def rebalance(self) -> None:
+        """Recompute `multiplex_blocks` from the entries as they are now (a no-op when
+        multiplexing is off)."""
+        ...
+
     def entries(self) -> Iterator[LedgerEntry]: ...
+
+
+# The projected peak is evaluated at most at this many steps (an upper bound between them).
+PEAK_BREAKPOINTS = 32
+# Up to this many requests in flight, every close recomputes the projected peak; beyond, only
+# scrapes do (the cost is O(entries x PEAK_BREAKPOINTS)).
+REBALANCE_ON_CLOSE_MAX_ENTRIES = 64
+
+
+def _to_go(entry: LedgerEntry) -> int:
+    """Engine steps until the entry reaches its reservation (at least one while in flight)."""
+    return max(1, entry.demand.expected_output_tokens - entry.longest_output)
+
+
+def _net_hold_at(entry: LedgerEntry, steps: int, to_go: int) -> int:
+    """Blocks the entry holds, net of credit, `steps` engine steps from now (its reservation
+    once it has reached its end)."""
+    if steps >= to_go:
+        held = entry.reserved_blocks
+    else:
+        demand = entry.demand
+        grown = demand.blocks_at(min(entry.longest_output + steps, demand.max_output_tokens))
+        held = min(entry.reserved_blocks, grown)
+    return held - entry.credit_blocks
+
+
+def projected_peak_blocks(entries: Sequence[LedgerEntry], breakpoints: int = PEAK_BREAKPOINTS) -> int:
+    """The most blocks, net of credit, that `entries` will hold at once if each runs to its
+    reservation and all of them decode together, one token per engine step (vLLM's continuous
+    batching), releasing their blocks when they end.
+
+    The total only grows between two ends and drops at each, so its peak is at an end: with E
+    the steps to the entries' ends, peak = max over E of the holds at E of the entries that end
+    at or after E. With more distinct ends than `breakpoints`, the ends are thinned to that many
+    (the last always kept) and each interval between two kept ends is bounded by the holds at
+    its right end of every entry alive at its left end: an upper bound, never below the peak.
+
+    A request that starts decoding later than the others (its prefill queued inside vLLM)
+    ends later too, so this is an estimate, not a bound; vLLM's preemption counter, through the
+    AIMD share, answers for its misses.
+    """
+    if not entries:
+        return 0
+    ends = [(_to_go(entry), entry) for entry in entries]
+    distinct = sorted({to_go for to_go, _ in ends})
+    if len(distinct) > breakpoints:
+        stride = len(distinct) / breakpoints
+        distinct = sorted(
+            {distinct[min(len(distinct) - 1, math.ceil((k + 1) * stride) - 1)] for k in range(breakpoints)}
+        )
+    peak = 0
+    previous = 0
+    for step in distinct:
+        total = sum(_net_hold_at(entry, step, to_go) for to_go, entry in ends if to_go > previous)
+        peak = max(peak, total)
+        previous = step
+    return peak
 
 
 class InMemoryLedger:
     """The default `Ledger`: a dict of entries and running totals."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, multiplex: bool = False) -> None:
         self._entries: dict[int, LedgerEntry] = {}
         self._reserved = 0
         self._held = 0
         self._credit = 0
         self._remaining = 0
-
-    @staticmethod
-    def _to_go(entry: LedgerEntry) -> int:
-        return max(1, entry.demand.expected_output_tokens - entry.longest_output)
+        self._multiplex = 0
+        self.multiplex = multiplex
 
     @staticmethod
     def _reserved_for(demand: Demand, longest_output: int) -> int:
@@ -156,7 +229,7 @@ class InMemoryLedger:
         self._entries[key] = entry
         self._reserved += entry.reserved_blocks
         self._held += entry.held_blocks
-        self._remaining += self._to_go(entry)
+        self._remaining += _to_go(entry)
         return entry
 
     def grow(self, key: int, sequence: int, tokens: int) -> None:
@@ -170,9 +243,9 @@ class InMemoryLedger:
         counts[index] += tokens
         if counts[index] <= entry.longest_output:
             return
-        to_go = self._to_go(entry)
+        to_go = _to_go(entry)
         entry.longest_output = counts[index]
-        self._remaining += self._to_go(entry) - to_go
+        self._remaining += _to_go(entry) - to_go
         demand = entry.demand
         held = demand.blocks_at(min(entry.longest_output, demand.max_output_tokens))
         reserved = max(entry.reserved_blocks, self._reserved_for(demand, entry.longest_output))
@@ -188,7 +261,13 @@ class InMemoryLedger:
         self._reserved -= entry.reserved_blocks
         self._held -= entry.held_blocks
         self._credit -= entry.credit_blocks
-        self._remaining -= self._to_go(entry)
+        self._remaining -= _to_go(entry)
+        if self._multiplex:
+            # Keep the last projected peak until it is recomputed: the rest of the set may
+            # still reach it without this entry (see the module docstring).
+            self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
+            if len(self._entries) <= REBALANCE_ON_CLOSE_MAX_ENTRIES:
+                self.rebalance()
         return ClosedEntry(
             key=key,
             demand=entry.demand,
@@ -204,6 +283,7 @@ class InMemoryLedger:
             reserved_blocks=self._reserved,
             held_blocks=self._held,
             credit_blocks=self._credit,
+            multiplex_blocks=self._multiplex,
         )
 
     def remaining_output_tokens(self) -> int:
@@ -233,6 +313,14 @@ class InMemoryLedger:
                 entry.credit_blocks = 0
             total += entry.credit_blocks
         self._credit = total
+        self.rebalance()
+
+    def rebalance(self) -> None:
+        if not self.multiplex or not self._entries:
+            self._multiplex = 0
+            return
+        peak = projected_peak_blocks(list(self._entries.values()))
+        self._multiplex = max(0, self._reserved - self._credit - peak)
 
     def entries(self) -> Iterator[LedgerEntry]:
         return iter(self._entries.values())

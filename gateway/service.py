@@ -200,7 +200,9 @@ class BackendGateway:
         self._executor = executor
         self.counter = token_counter
         self.counter_source = "injected" if token_counter is not None else None
-        self.ledger: Ledger = ledger if ledger is not None else InMemoryLedger()
+        self.ledger: Ledger = (
+            ledger if ledger is not None else InMemoryLedger(multiplex=settings.kv_multiplexing)
+        )
         self.budget = KvBudget(capacity_config(settings), self.ledger)
         self.output_model = OutputLengthModel(
             quantile=settings.output_quantile,
@@ -468,6 +470,7 @@ class BackendGateway:
                 "reserved_blocks": totals.reserved_blocks,
                 "held_blocks": totals.held_blocks,
                 "credit_blocks": totals.credit_blocks,
+                "multiplex_blocks": totals.multiplex_blocks,
                 "requests": [
                     {
                         "key": entry.key,

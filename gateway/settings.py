@@ -144,6 +144,10 @@ class Settings(BaseSettings):
     aimd_increase_per_s: float = Field(DEFAULT_AIMD_INCREASE_PER_S, ge=0)
     aimd_quiet_s: float = Field(DEFAULT_AIMD_QUIET_S, ge=0)
     aimd_decrease_cooldown_s: float = Field(DEFAULT_AIMD_DECREASE_COOLDOWN_S, ge=0)
+    # Commit the projected peak of the requests in flight together rather than the sum of
+    # their peaks (see gateway.ledger). Off by default: it admits more at once, which pays where
+    # the KV cache is what binds (long answers) and costs where compute does (see the README).
+    kv_multiplexing: bool = False
 
     # Output length (estimate).
     output_quantile: float = Field(DEFAULT_OUTPUT_QUANTILE, gt=0, le=1)

@@ -90,6 +90,24 @@ def test_external_usage_follows_the_ledger_between_scrapes() -> None:
     assert budget.snapshot(now=10.1).committed_blocks == 19
 
 
+def test_a_scrape_multiplexes_the_peaks_of_requests_at_different_stages() -> None:
+    ledger = InMemoryLedger(multiplex=True)
+    ledger.open(1, booking(2, 20), now=0.0)  # peaks at 22 blocks, 320 tokens from now
+    ledger.open(2, booking(2, 20), now=0.0)
+    ledger.grow(2, 0, 19 * 16)  # 16 tokens from its end: holds 21, reserves 22
+    budget = KvBudget(CONFIG, ledger)
+    assert budget.snapshot(now=0.0).committed_blocks == 22 + 22  # not yet recomputed
+    budget.observe(reading(2.0 + 21.0), started_at=10.0, now=10.0)
+    # The second ends 16 steps from now, holding 22, when the first holds its 2 prompt blocks
+    # and 1 more; after that only the first holds anything, 22 at most.
+    assert budget.snapshot(now=10.0).committed_blocks == 22 + 3
+    off = InMemoryLedger()
+    off.open(1, booking(2, 20), now=0.0)
+    off.open(2, booking(2, 20), now=0.0)
+    KvBudget(CONFIG, off).observe(reading(4.0), started_at=10.0, now=10.0)
+    assert off.totals().committed_blocks == 44
+
+
 def test_less_usage_than_settled_entries_hold_is_credited() -> None:
     ledger = InMemoryLedger()
     ledger.open(1, booking(20), now=0.0)

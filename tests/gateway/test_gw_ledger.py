@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from estimator.demand import BlockCost, Demand
-from gateway.ledger import InMemoryLedger, LedgerTotals
+from gateway.ledger import InMemoryLedger, LedgerEntry, LedgerTotals, projected_peak_blocks
 
 COST = BlockCost(block_size=16)
 
@@ -118,23 +118,32 @@ operations = st.lists(
 )
 
 
+@pytest.mark.parametrize("multiplex", [False, True])
 @settings(max_examples=300, deadline=None)
-@given(operations)
-def test_ledger_returns_to_zero_after_any_interleaving(ops: list[tuple[str, int, int, int, int]]) -> None:
-    ledger = InMemoryLedger()
+@given(ops=operations)
+def test_ledger_returns_to_zero_after_any_interleaving(
+    multiplex: bool, ops: list[tuple[str, int, int, int, int]]
+) -> None:
+    ledger = InMemoryLedger(multiplex=multiplex)
     open_keys: set[int] = set()
+    # Growth moves one request along without the others (in vLLM all decode together), so the
+    # projection holds from the next recomputation on: a close or a new credit.
+    grown_since_rebalance = False
     for step, (op, key, a, b, c) in enumerate(ops):
         if op == "open" and key not in open_keys:
             ledger.open(key, demand(prompt=a, expected=min(b, 200), cap=200, samples=c), now=float(step))
             open_keys.add(key)
         elif op == "grow":
             ledger.grow(key, a, b)
+            grown_since_rebalance = grown_since_rebalance or (key in open_keys and b > 0)
         elif op == "close":
             closed = ledger.close(key)
             assert (closed is not None) == (key in open_keys)
             open_keys.discard(key)
+            grown_since_rebalance = grown_since_rebalance and closed is None
         elif op == "credit":
             ledger.set_credit(key / 100, settled_before=float(step) / 2)
+            grown_since_rebalance = False
         totals = ledger.totals()
         # Totals are exact sums over the open entries, and never negative.
         entries = list(ledger.entries())
@@ -148,7 +157,75 @@ def test_ledger_returns_to_zero_after_any_interleaving(ops: list[tuple[str, int,
         )
         for entry in entries:
             assert 0 <= entry.credit_blocks <= entry.held_blocks <= entry.reserved_blocks
+        # Multiplexed, the commitment lies between the set's projected peak and the sum of
+        # its reservations (net of credit); without, it is that sum.
+        net = totals.reserved_blocks - totals.credit_blocks
+        if multiplex:
+            assert totals.committed_blocks <= net
+            if not grown_since_rebalance:
+                assert brute_force_peak(entries) <= totals.committed_blocks
+        else:
+            assert totals.committed_blocks == net
     for key in list(open_keys):
         ledger.close(key)
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
     assert ledger.remaining_output_tokens() == 0
+
+
+def brute_force_peak(entries: list[LedgerEntry]) -> int:
+    """The projected peak step by step: every entry grows one output token per step (per
+    sequence) up to its reservation and holds that until its end, then frees it."""
+    if not entries:
+        return 0
+    ends = [max(1, e.demand.expected_output_tokens - e.longest_output) for e in entries]
+    peak = 0
+    for step in range(max(ends) + 1):
+        total = 0
+        for entry, end in zip(entries, ends, strict=True):
+            if end < step:
+                continue
+            demand = entry.demand
+            grown = demand.blocks_at(min(entry.longest_output + step, demand.max_output_tokens))
+            held = entry.reserved_blocks if step >= end else min(entry.reserved_blocks, grown)
+            total += held - entry.credit_blocks
+        peak = max(peak, total)
+    return peak
+
+
+def test_the_projected_peak_is_where_requests_end_not_the_sum_of_their_peaks() -> None:
+    ledger = InMemoryLedger(multiplex=True)
+    # 16-token blocks. One request ends in 10 steps at 12 blocks (150 of 160 tokens streamed:
+    # its reservation now covers a block ahead); one just began and reaches 11 at its end.
+    ledger.open(1, demand(prompt=16, expected=160, cap=512), now=0.0)
+    ledger.grow(1, 0, 150)
+    ledger.open(2, demand(prompt=16, expected=160, cap=512), now=0.0)
+    assert ledger.totals().committed_blocks == 23  # until rebalanced: the sum of the peaks
+    ledger.rebalance()
+    # The peak is at the first one's end: its 12 blocks plus the 2 the other holds by then.
+    assert ledger.totals().committed_blocks == 12 + 2 == projected_peak_blocks(list(ledger.entries()))
+    ledger.close(1)  # few in flight: a close recomputes at once
+    assert ledger.totals().committed_blocks == 11
+    assert InMemoryLedger().totals().multiplex_blocks == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(0, 250), st.integers(1, 3)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 4),
+)
+def test_the_projected_peak_never_falls_below_the_step_by_step_peak(
+    requests: list[tuple[int, int, int, int]], breakpoints: int
+) -> None:
+    ledger = InMemoryLedger()
+    for key, (prompt, expected, streamed, samples) in enumerate(requests):
+        ledger.open(key, demand(prompt=prompt, expected=expected, cap=200, samples=samples), now=0.0)
+        ledger.grow(key, 0, streamed)
+    entries = list(ledger.entries())
+    exact = brute_force_peak(entries)
+    assert projected_peak_blocks(entries) == exact  # few distinct ends: evaluated at each
+    thinned = projected_peak_blocks(entries, breakpoints)
+    assert exact <= thinned <= sum(e.reserved_blocks - e.credit_blocks for e in entries)

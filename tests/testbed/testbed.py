@@ -110,14 +110,14 @@ def start(port: int, log_path: Path, extra: list[str] | None = None) -> subproce
     if is_ready(url):
         raise RuntimeError(f"something already answers on {url}; pick another port")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        server_command(venv, model, port, extra or []),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=server_env(),
-        start_new_session=True,
-    )
+    with log_path.open("wb") as log:  # the server keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            server_command(venv, model, port, extra or []),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(),
+            start_new_session=True,
+        )
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
