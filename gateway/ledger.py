@@ -18,15 +18,16 @@ requests are in flight; in between, an admission adds its whole reservation and 
 the set's last peak, so closes and admissions never take the commitment below the set's
 projected peak. Streamed tokens are not a recomputation point (they come by the thousand per
 second): one request moving ahead of the others between two of them shifts the projection by
-at most the blocks it grows meanwhile.
+about the blocks it grows meanwhile.
 
 `Ledger` is the interface the rest of the gateway uses, so that a store shared between
 replicas can replace the in-memory one. Its contract: called from one event loop only (no
 locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries))
 and `rebalance` (O(entries x PEAK_BREAKPOINTS), also run by `close` while at most
 `REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is idempotent and the totals (but
-`multiplex_blocks`) are exact integer sums over the open entries. Whatever runs on every request (admission, the queue's drain-rate projection) reads totals only, never
-iterates the entries: its cost must not grow with the number of requests in flight.
+`multiplex_blocks`) are exact integer sums over the open entries. Whatever runs on every
+request (admission, the queue's drain-rate projection) reads totals only, never iterates the
+entries: its cost must not grow with the number of requests in flight.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class InMemoryLedger:
         self._held -= entry.held_blocks
         self._credit -= entry.credit_blocks
         self._remaining -= _to_go(entry)
-        if self._multiplex:
+        if self.multiplex:
             # Keep the last projected peak until it is recomputed: the rest of the set may
             # still reach it without this entry (see the module docstring).
             self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
