@@ -264,11 +264,12 @@ class InMemoryLedger:
         self._credit -= entry.credit_blocks
         self._remaining -= _to_go(entry)
         if self.multiplex:
-            # Keep the last projected peak until it is recomputed: the rest of the set may
-            # still reach it without this entry (see the module docstring).
-            self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
             if len(self._entries) <= REBALANCE_ON_CLOSE_MAX_ENTRIES:
                 self.rebalance()
+            else:
+                # Keep the last projected peak until the next scrape recomputes it: the rest of
+                # the set may still reach it without this entry (see the module docstring).
+                self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
         return ClosedEntry(
             key=key,
             demand=entry.demand,

@@ -41,15 +41,15 @@ class RequestSummary:
 
     @property
     def queue_ms(self) -> int:
-        return round(max(0.0, self.queue_s) * 1000)
+        return _ms(self.queue_s)
 
     @property
     def predicted_queue_ms(self) -> int | None:
-        return None if self.predicted_queue_s is None else round(max(0.0, self.predicted_queue_s) * 1000)
+        return None if self.predicted_queue_s is None else _ms(self.predicted_queue_s)
 
     @property
     def duration_ms(self) -> int:
-        return round(max(0.0, self.finished_at - self.arrived_at) * 1000)
+        return _ms(self.finished_at - self.arrived_at)
 
     def fields(self) -> dict[str, Any]:
         """The summary as JSON-safe values, times as durations (for logs and /admin/state)."""
@@ -70,6 +70,10 @@ class RequestSummary:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
         }
+
+
+def _ms(seconds: float) -> int:
+    return round(max(0.0, seconds) * 1000)
 
 
 class RecentRequests:
