@@ -26,6 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "testbed"))
 import testbed  # noqa: E402
 
+from bench.peers import Run, against_peers, render_peers  # noqa: E402
+
 REPO = HERE.parent.parent
 BIN = REPO / ".venv" / "bin"
 COLUMNS = [
@@ -124,6 +126,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(rate) for rate in args.rates.split(",")]
     rows: list[tuple[str, float, dict[str, Any]]] = []
+    runs: list[Run] = []
 
     for guard in args.guards.split(","):
         extra = [] if guard == "none" else ["--max-num-queued-reqs", guard]
@@ -131,6 +134,7 @@ def main() -> int:
         vllm = testbed.start(args.port, args.out / f"vllm-{guard}.log", extra)
         kvgates: list[subprocess.Popen[bytes]] = []
         names: dict[str, str] = {}  # kvgate URL -> its row label
+        variant_of: dict[str, str] = {}  # kvgate URL -> its extra arguments
         backend = f"http://127.0.0.1:{args.port}"
         try:
             targets = [backend]
@@ -142,6 +146,7 @@ def main() -> int:
                 url = f"http://127.0.0.1:{port}"
                 targets.append(url)
                 names[url] = f"kvgate {variant}".strip() if len(variants) > 1 else "kvgate"
+                variant_of[url] = variant
             for rate in rates:
                 results = run_bench(targets, backend, rate, args, args.out / f"{guard}-rate{rate:g}")
                 # With --repeat the bench alternates the targets round after round (A B A B):
@@ -149,9 +154,11 @@ def main() -> int:
                 for index, result in enumerate(results):
                     target = targets[index % len(targets)]
                     name = names.get(target, label)
+                    round_ = index // len(targets) + 1
                     if args.repeat > 1:
-                        name += f" #{index // len(targets) + 1}"
+                        name += f" #{round_}"
                     rows.append((name, rate, result))
+                    runs.append(Run(guard, variant_of.get(target), rate, round_, result))
                     print(
                         f"{name:14} rate {rate:5.2f}: "
                         + ", ".join(
@@ -175,9 +182,28 @@ def main() -> int:
             value = pick(result, key)
             cells.append(fmt.format(value) if value is not None else "-")
         lines.append(f"| {name} | {rate:g} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (args.out / "campaign.md").write_text(table + "\n")
-    print(table)
+    table = "\n".join(lines) + "\n"
+    # kvgate against its peers, as the issues judge it (see bench.peers).
+    comparisons = render_peers(against_peers(runs))
+    if comparisons:
+        table += "\n" + comparisons
+    (args.out / "campaign.md").write_text(table)
+    (args.out / "campaign.json").write_text(
+        json.dumps(
+            [
+                {
+                    "guard": r.guard,
+                    "variant": r.variant,
+                    "rate": r.rate,
+                    "round": r.round,
+                    "summary": r.summary,
+                }
+                for r in runs
+            ],
+            indent=1,
+        )
+    )
+    print(table, end="")
     return 0
 
 
