@@ -13,21 +13,35 @@ sequences has streamed so far, and from those two numbers in blocks:
 Requests do not all reach their peaks at once: while one is at its end, another has just
 begun. With `multiplex` on, the ledger commits the projected peak of the whole set rather than
 the sum of the peaks (see `projected_peak_blocks`), and the difference is `multiplex_blocks`.
-It is recomputed at each scrape (`rebalance`, after the credit) and at each close while few
-requests are in flight; in between, an admission adds its whole reservation and a close keeps
-the set's last peak, so closes and admissions never take the commitment below the set's
-projected peak. Streamed tokens are not a recomputation point (they come by the thousand per
-second): one request moving ahead of the others between two of them shifts the projection by
-about the blocks it grows meanwhile.
+
+Requests do not all reach their reserved quantile either: each reserves the output length that
+only one in ten exceeds (with the default p90), but of many requests together far fewer than
+all run that long. With `pooling_z` set, the ledger commits the quantile of the *sum* of what
+the requests in flight still have to produce instead of the sum of their quantiles: from each
+request's `OutputDistribution` (the learned lengths, given at open) the mean and variance of
+its remaining output given how far it already is, and for the set, mean + z x standard
+deviation of the total (normal approximation; z from the same quantile). A request beyond
+every length observed, or with no distribution, counts its reservation as it is. The
+difference is `pooling_blocks`. One request alone gains little; sixteen gain most of the gap
+between the quantile and the mean. When both are on, the larger of the two discounts is taken
+off, and the commitment never falls below what the requests hold.
+
+Both discounts are recomputed at each scrape (`rebalance`, after the credit) and at each close
+while few requests are in flight; in between, an admission adds its whole reservation and a
+close keeps the last discount net of the closed request's part, so closes and admissions never
+take the commitment below the projection. Streamed tokens are not a recomputation point (they
+come by the thousand per second): one request moving ahead of the others between two of them
+shifts the projection by about the blocks it grows meanwhile.
 
 `Ledger` is the interface the rest of the gateway uses, so that a store shared between
 replicas can replace the in-memory one. Its contract: called from one event loop only (no
 locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries))
-and `rebalance` (O(entries x PEAK_BREAKPOINTS), also run by `close` while at most
-`REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is idempotent and the totals (but
-`multiplex_blocks`) are exact integer sums over the open entries. Whatever runs on every
-request (admission, the queue's drain-rate projection) reads totals only, never iterates the
-entries: its cost must not grow with the number of requests in flight.
+and `rebalance` (O(entries x PEAK_BREAKPOINTS) multiplexed, O(entries x log window) pooled,
+also run by `close` while at most `REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is
+idempotent and the totals (but `multiplex_blocks` and `pooling_blocks`) are exact integer sums
+over the open entries. Whatever runs on every request (admission, the queue's drain-rate
+projection) reads totals only, never iterates the entries: its cost must not grow with the
+number of requests in flight.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from estimator.demand import Demand
+from gateway.output_model import OutputDistribution
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +64,15 @@ class LedgerTotals:
     held_blocks: int
     credit_blocks: int
     multiplex_blocks: int = 0
+    pooling_blocks: int = 0
 
     @property
     def committed_blocks(self) -> int:
         """Blocks promised to the requests in flight, net of what vLLM shares between them
-        and of the peaks they do not reach together."""
-        return self.reserved_blocks - self.credit_blocks - self.multiplex_blocks
+        and of the peaks (or output lengths) they do not reach together; never less than
+        they hold (a discount is recomputed only now and then, while they keep growing)."""
+        discount = max(self.multiplex_blocks, self.pooling_blocks)
+        return max(self.held_blocks, self.reserved_blocks - discount) - self.credit_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +114,17 @@ class LedgerEntry:
     held_blocks: int = 0
     reserved_blocks: int = 0
     credit_blocks: int = 0
+    outlook: OutputDistribution | None = None  # the learned lengths, for pooling
 
 
 class Ledger(Protocol):
     """In-flight reservations of one backend. See the module docstring for the contract."""
 
-    def open(self, key: int, demand: Demand, now: float) -> LedgerEntry:
-        """Book `demand` under a fresh `key`; raises KeyError if the key is already open."""
+    def open(
+        self, key: int, demand: Demand, now: float, outlook: OutputDistribution | None = None
+    ) -> LedgerEntry:
+        """Book `demand` under a fresh `key`; raises KeyError if the key is already open.
+        `outlook`: the output lengths its reservation was learned from (for pooling)."""
         ...
 
     def grow(self, key: int, sequence: int, tokens: int) -> None:
@@ -130,8 +152,8 @@ class Ledger(Protocol):
         ...
 
     def rebalance(self) -> None:
-        """Recompute `multiplex_blocks` from the entries as they are now (a no-op when
-        multiplexing is off)."""
+        """Recompute `multiplex_blocks` and `pooling_blocks` from the entries as they are now
+        (a no-op for what is off)."""
         ...
 
     def entries(self) -> Iterator[LedgerEntry]: ...
@@ -194,17 +216,54 @@ def projected_peak_blocks(entries: Sequence[LedgerEntry], breakpoints: int = PEA
     return peak
 
 
+def remaining_moments(entry: LedgerEntry) -> tuple[float, float]:
+    """Mean and variance, in blocks, of what the entry will still add to what it holds.
+
+    From its outlook, given the tokens its shortest sequence has produced: every sequence
+    grows by the remaining tokens over the block size plus one block (the partly filled one
+    and the slot vLLM allocates ahead), and the sequences of one request are taken to run
+    equally long (their variances add up as one). Without an outlook, or beyond every length
+    it holds, the reservation is taken as it is, with no variance.
+    """
+    deterministic = float(entry.reserved_blocks - entry.held_blocks)
+    if entry.outlook is None:
+        return deterministic, 0.0
+    demand = entry.demand
+    produced = min(entry.output_tokens, default=0)
+    moments = entry.outlook.remaining(produced, demand.max_output_tokens)
+    if moments is None:
+        return deterministic, 0.0
+    mean_tokens, variance_tokens = moments
+    sequences, block_size = demand.sequences, demand.cost.block_size
+    mean = sequences * (mean_tokens / block_size + 1.0)
+    variance = (sequences / block_size) ** 2 * variance_tokens
+    return mean, variance
+
+
+def pooled_remaining_blocks(entries: Sequence[LedgerEntry], z: float) -> float:
+    """The `z`-quantile of the blocks the entries will still add together, under a normal
+    approximation of the sum of their remaining outputs (see `remaining_moments`)."""
+    mean = variance = 0.0
+    for entry in entries:
+        entry_mean, entry_variance = remaining_moments(entry)
+        mean += entry_mean
+        variance += entry_variance
+    return mean + z * math.sqrt(variance)
+
+
 class InMemoryLedger:
     """The default `Ledger`: a dict of entries and running totals."""
 
-    def __init__(self, *, multiplex: bool = False) -> None:
+    def __init__(self, *, multiplex: bool = False, pooling_z: float | None = None) -> None:
         self._entries: dict[int, LedgerEntry] = {}
         self._reserved = 0
         self._held = 0
         self._credit = 0
         self._remaining = 0
         self._multiplex = 0
+        self._pooling = 0
         self.multiplex = multiplex
+        self.pooling_z = pooling_z
 
     @staticmethod
     def _reserved_for(demand: Demand, longest_output: int) -> int:
@@ -216,7 +275,9 @@ class InMemoryLedger:
         tokens = max(demand.expected_output_tokens, longest_output + demand.cost.block_size)
         return demand.blocks_at(min(tokens, demand.max_output_tokens))
 
-    def open(self, key: int, demand: Demand, now: float) -> LedgerEntry:
+    def open(
+        self, key: int, demand: Demand, now: float, outlook: OutputDistribution | None = None
+    ) -> LedgerEntry:
         if key in self._entries:
             raise KeyError(f"ledger entry {key} is already open")
         entry = LedgerEntry(
@@ -226,6 +287,7 @@ class InMemoryLedger:
             output_tokens=[0] * demand.sequences,
             held_blocks=demand.prompt_blocks,
             reserved_blocks=demand.reserved_blocks,
+            outlook=outlook,
         )
         self._entries[key] = entry
         self._reserved += entry.reserved_blocks
@@ -263,13 +325,18 @@ class InMemoryLedger:
         self._held -= entry.held_blocks
         self._credit -= entry.credit_blocks
         self._remaining -= _to_go(entry)
-        if self.multiplex:
+        if self.multiplex or self.pooling_z is not None:
             if len(self._entries) <= REBALANCE_ON_CLOSE_MAX_ENTRIES:
                 self.rebalance()
             else:
                 # Keep the last projected peak until the next scrape recomputes it: the rest of
                 # the set may still reach it without this entry (see the module docstring).
                 self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
+                # Without the entry the pooled quantile falls by at most its mean (the
+                # deviation of a sum shrinks less than the part's): the discount shrinks by
+                # its reservation beyond that mean, never more than it may.
+                beyond_mean = entry.reserved_blocks - entry.held_blocks - remaining_moments(entry)[0]
+                self._pooling = max(0, self._pooling - math.ceil(max(0.0, beyond_mean)))
         return ClosedEntry(
             key=key,
             demand=entry.demand,
@@ -286,6 +353,7 @@ class InMemoryLedger:
             held_blocks=self._held,
             credit_blocks=self._credit,
             multiplex_blocks=self._multiplex,
+            pooling_blocks=self._pooling,
         )
 
     def remaining_output_tokens(self) -> int:
@@ -318,11 +386,17 @@ class InMemoryLedger:
         self.rebalance()
 
     def rebalance(self) -> None:
-        if not self.multiplex or not self._entries:
-            self._multiplex = 0
+        entries = list(self._entries.values())
+        self._multiplex = 0
+        self._pooling = 0
+        if not entries:
             return
-        peak = projected_peak_blocks(list(self._entries.values()))
-        self._multiplex = max(0, self._reserved - self._credit - peak)
+        if self.multiplex:
+            peak = projected_peak_blocks(entries)
+            self._multiplex = max(0, self._reserved - self._credit - peak)
+        if self.pooling_z is not None:
+            to_come = self._reserved - self._held
+            self._pooling = max(0, math.floor(to_come - pooled_remaining_blocks(entries, self.pooling_z)))
 
     def entries(self) -> Iterator[LedgerEntry]:
         return iter(self._entries.values())

@@ -11,13 +11,21 @@ until it knows better.
 Quantiles come from a sorted copy of the window kept alongside it (bisect insert and remove,
 O(window) per observation, O(1) per prediction): predictions are on every request's path,
 observations only on completions. The number of keys is bounded (least recently used go).
+
+`distribution(key)` hands out the window as an immutable `OutputDistribution`, for the
+ledger's pooled reservation (see `gateway.ledger`): the mean and variance of what a request
+still has to produce, given how far it already is. It is rebuilt (O(window)) only once the
+window has changed by a sixty-fourth since the last build, so that its cost per completion
+stays constant.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -56,13 +64,52 @@ class OutputPrediction:
     key: OutputKey | None
 
 
+class OutputDistribution:
+    """Completion lengths (per sequence) of finished requests, frozen: sorted, with prefix sums
+    of the lengths and of their squares, so that conditional moments cost O(log n)."""
+
+    __slots__ = ("_ordered", "_squares", "_sums")
+
+    def __init__(self, lengths: Iterable[int]) -> None:
+        self._ordered = tuple(sorted(lengths))
+        self._sums = (0, *itertools.accumulate(self._ordered))
+        self._squares = (0, *itertools.accumulate(value * value for value in self._ordered))
+
+    def __len__(self) -> int:
+        return len(self._ordered)
+
+    def remaining(self, produced: int, cap: int) -> tuple[float, float] | None:
+        """Mean and variance of the tokens still to come for a sequence that has produced
+        `produced` tokens and stops at `cap` at the latest: over the observed lengths beyond
+        `produced`, each cut at `cap`. None when no observed length lies beyond it (the
+        distribution says nothing about such a request) or the cap is reached."""
+        if produced >= cap:
+            return None
+        ordered = self._ordered
+        beyond = bisect.bisect_right(ordered, produced)
+        count = len(ordered) - beyond
+        if count == 0:
+            return None
+        # Lengths in (produced, cap) count as they are, those at or past the cap as the cap.
+        capped_from = max(beyond, bisect.bisect_left(ordered, cap))
+        at_cap = len(ordered) - capped_from
+        total = self._sums[capped_from] - self._sums[beyond] + at_cap * cap
+        squares = self._squares[capped_from] - self._squares[beyond] + at_cap * cap * cap
+        mean = total / count
+        variance = max(0.0, squares / count - mean * mean)
+        return mean - produced, variance
+
+
 class _Window:
-    __slots__ = ("arrival", "ordered", "size")
+    __slots__ = ("arrival", "changes", "frozen", "frozen_at", "ordered", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.arrival: deque[int] = deque()
         self.ordered: list[int] = []
+        self.changes = 0  # observations ever added
+        self.frozen: OutputDistribution | None = None
+        self.frozen_at = 0  # `changes` when `frozen` was built
 
     def add(self, value: int) -> None:
         if len(self.arrival) == self.size:
@@ -70,6 +117,13 @@ class _Window:
             del self.ordered[bisect.bisect_left(self.ordered, oldest)]
         self.arrival.append(value)
         bisect.insort(self.ordered, value)
+        self.changes += 1
+
+    def distribution(self) -> OutputDistribution:
+        if self.frozen is None or self.changes - self.frozen_at >= max(1, len(self.ordered) // 64):
+            self.frozen = OutputDistribution(self.ordered)
+            self.frozen_at = self.changes
+        return self.frozen
 
     def quantile(self, q: float) -> int:
         # Nearest-rank quantile: an observed value, never an interpolation below it.
@@ -99,6 +153,14 @@ class OutputLengthModel:
                 tokens = min(cap, window.quantile(self.quantile))
                 return OutputPrediction(tokens, PredictionSource.LEARNED, len(window.arrival), candidate)
         return OutputPrediction(cap, PredictionSource.COLD, 0, None)
+
+    def distribution(self, key: OutputKey) -> OutputDistribution | None:
+        """The learned lengths behind `predict(key, ...)`, or None while it answers the cap."""
+        for candidate in key.fallbacks():
+            window = self._windows.get(candidate)
+            if window is not None and len(window.arrival) >= self.min_samples:
+                return window.distribution()
+        return None
 
     def observe(self, key: OutputKey, tokens: int) -> None:
         """Record one finished sequence's completion length under the key and its parents."""

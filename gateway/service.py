@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 import httpx
@@ -101,6 +102,15 @@ def capacity_config(settings: Settings) -> CapacityConfig:
     )
 
 
+def pooling_z(settings: Settings) -> float | None:
+    """The normal quantile the ledger pools output lengths at, or None when pooling is off.
+    At `output_quantile` 1 every request already reserves the longest length seen: there is
+    nothing to pool."""
+    if not settings.output_pooling or settings.output_quantile >= 1.0:
+        return None
+    return NormalDist().inv_cdf(settings.output_quantile)
+
+
 def policy_config(settings: Settings) -> PolicyConfig:
     return PolicyConfig(
         max_queued=settings.queue_max(),
@@ -152,10 +162,18 @@ class Reservation:
 
     # Called by the wait queue, synchronously, at the moment of admission.
     def open(self, now: float) -> None:
-        self._gateway.busy_time(now)
-        self._gateway.ledger.open(self.key, self.prepared.demand, now)
+        gateway = self._gateway
+        gateway.busy_time(now)
+        # Pooling weighs the request by the lengths its reservation was learned from.
+        prediction = self.prepared.prediction
+        outlook = (
+            gateway.output_model.distribution(prediction.key)
+            if gateway.settings.output_pooling and prediction.key is not None
+            else None
+        )
+        gateway.ledger.open(self.key, self.prepared.demand, now, outlook)
         self.admitted_at = now
-        self._gateway._on_admitted(self)
+        gateway._on_admitted(self)
 
     def on_first_byte(self, now: float) -> None:
         self.first_byte_at = now
@@ -201,7 +219,9 @@ class BackendGateway:
         self.counter = token_counter
         self.counter_source = "injected" if token_counter is not None else None
         self.ledger: Ledger = (
-            ledger if ledger is not None else InMemoryLedger(multiplex=settings.kv_multiplexing)
+            ledger
+            if ledger is not None
+            else InMemoryLedger(multiplex=settings.kv_multiplexing, pooling_z=pooling_z(settings))
         )
         self.budget = KvBudget(capacity_config(settings), self.ledger)
         self.output_model = OutputLengthModel(
@@ -291,6 +311,8 @@ class BackendGateway:
         self.policy.config = policy_config(settings)
         self.budget.reconfigure(capacity_config(settings))
         self.output_model.quantile = settings.output_quantile
+        if isinstance(self.ledger, InMemoryLedger):
+            self.ledger.pooling_z = pooling_z(settings)
         self.queue.strict_lookback_s = settings.objective_lookback_s
         self.virtual_backlog.share = settings.overload_wait_share
         self.poller.reconfigure(
@@ -471,6 +493,7 @@ class BackendGateway:
                 "held_blocks": totals.held_blocks,
                 "credit_blocks": totals.credit_blocks,
                 "multiplex_blocks": totals.multiplex_blocks,
+                "pooling_blocks": totals.pooling_blocks,
                 "requests": [
                     {
                         "key": entry.key,

@@ -148,6 +148,9 @@ class Settings(BaseSettings):
     # their peaks (see gateway.ledger). Off by default: it admits more at once, which pays where
     # the KV cache is what binds (long answers) and costs where compute does (see the README).
     kv_multiplexing: bool = False
+    # Commit the output_quantile of the sum of what the requests in flight still have to
+    # produce rather than the sum of their quantiles (see gateway.ledger).
+    output_pooling: bool = False
 
     # Output length (estimate).
     output_quantile: float = Field(DEFAULT_OUTPUT_QUANTILE, gt=0, le=1)

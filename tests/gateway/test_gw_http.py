@@ -75,6 +75,35 @@ async def test_output_model_learns_and_shrinks_reservations() -> None:
         assert ledger_is_empty(harness.gateway)
 
 
+@pytest.mark.parametrize("pooling", [False, True])
+async def test_pooling_hands_the_learned_lengths_to_the_ledger(pooling: bool) -> None:
+    async with gateway_over_sim(
+        SimConfig(engine=SLOW_ENGINE),
+        output_pooling=pooling,
+        output_min_samples=3,
+        output_window_samples=10,
+    ) as harness:
+        request = {**COMPLETION, "prompt": "x"}
+        for tokens in (5, 5, 200):
+            assert (
+                await harness.client.post("/v1/completions", json={**request, "max_tokens": tokens})
+            ).is_success
+        pending = asyncio.create_task(
+            harness.client.post("/v1/completions", json={**request, "max_tokens": 400})
+        )
+        await wait_until(lambda: harness.gateway.ledger.totals().entries == 1)
+        [entry] = harness.gateway.ledger.entries()
+        # The lengths it was learned from travel with it when pooling is on.
+        assert (entry.outlook is not None) == pooling
+        if pooling:
+            assert entry.outlook is not None
+            assert len(entry.outlook) == 3
+        state = (await harness.client.get("/admin/state")).json()
+        assert "pooling_blocks" in state["backends"][0]["ledger"]
+        assert (await pending).status_code == 200
+        assert ledger_is_empty(harness.gateway)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "code"),
     [

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import random
+from statistics import NormalDist
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from estimator.demand import BlockCost, Demand
-from gateway.ledger import InMemoryLedger, LedgerEntry, LedgerTotals, projected_peak_blocks
+from gateway.ledger import (
+    InMemoryLedger,
+    LedgerEntry,
+    LedgerTotals,
+    projected_peak_blocks,
+    remaining_moments,
+)
+from gateway.output_model import OutputDistribution
 
 COST = BlockCost(block_size=16)
 
@@ -118,20 +128,27 @@ operations = st.lists(
 )
 
 
-@pytest.mark.parametrize("multiplex", [False, True])
+# Output lengths some requests were learned from, for pooling.
+OUTLOOK = OutputDistribution([0, 3, 8, 20, 20, 45, 60, 90, 150, 199, 250])
+
+
+@pytest.mark.parametrize(
+    ("multiplex", "pooling"), [(False, False), (True, False), (False, True), (True, True)]
+)
 @settings(max_examples=300, deadline=None)
 @given(ops=operations)
 def test_ledger_returns_to_zero_after_any_interleaving(
-    multiplex: bool, ops: list[tuple[str, int, int, int, int]]
+    multiplex: bool, pooling: bool, ops: list[tuple[str, int, int, int, int]]
 ) -> None:
-    ledger = InMemoryLedger(multiplex=multiplex)
+    ledger = InMemoryLedger(multiplex=multiplex, pooling_z=1.28 if pooling else None)
     open_keys: set[int] = set()
     # Growth moves one request along without the others (in vLLM all decode together), so the
     # projection holds from the next recomputation on: a close or a new credit.
     grown_since_rebalance = False
     for step, (op, key, a, b, c) in enumerate(ops):
         if op == "open" and key not in open_keys:
-            ledger.open(key, demand(prompt=a, expected=min(b, 200), cap=200, samples=c), now=float(step))
+            outlook = OUTLOOK if pooling and key % 2 == 0 else None  # some requests have none
+            ledger.open(key, demand(prompt=a, expected=min(b, 200), cap=200, samples=c), float(step), outlook)
             open_keys.add(key)
         elif op == "grow":
             ledger.grow(key, a, b)
@@ -158,14 +175,17 @@ def test_ledger_returns_to_zero_after_any_interleaving(
         for entry in entries:
             assert 0 <= entry.credit_blocks <= entry.held_blocks <= entry.reserved_blocks
         # Multiplexed, the commitment lies between the set's projected peak and the sum of
-        # its reservations (net of credit); without, it is that sum.
+        # its reservations (net of credit); pooled, between what the set holds and that sum;
+        # with neither, it is that sum.
         net = totals.reserved_blocks - totals.credit_blocks
-        if multiplex:
-            assert totals.committed_blocks <= net
-            if not grown_since_rebalance:
+        if multiplex or pooling:
+            assert totals.held_blocks - totals.credit_blocks <= totals.committed_blocks <= net
+            if multiplex and not pooling and not grown_since_rebalance:
                 assert brute_force_peak(entries) <= totals.committed_blocks
         else:
             assert totals.committed_blocks == net
+        if not pooling:
+            assert totals.pooling_blocks == 0
     for key in list(open_keys):
         ledger.close(key)
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
@@ -229,3 +249,70 @@ def test_the_projected_peak_never_falls_below_the_step_by_step_peak(
     assert projected_peak_blocks(entries) == exact  # few distinct ends: evaluated at each
     thinned = projected_peak_blocks(entries, breakpoints)
     assert exact <= thinned <= sum(e.reserved_blocks - e.credit_blocks for e in entries)
+
+
+def test_remaining_moments_follow_the_outlook_given_the_progress() -> None:
+    outlook = OutputDistribution([16, 32, 48, 64, 400])
+    ledger = InMemoryLedger(pooling_z=1.0)
+    # 16-token blocks. Two sequences; the shortest decides how far the request is.
+    entry = ledger.open(1, demand(prompt=16, expected=48, cap=100, samples=2), 0.0, outlook)
+    ledger.grow(1, 0, 40)
+    ledger.grow(1, 1, 20)
+    mean, variance = remaining_moments(entry)
+    # Beyond 20 tokens: 32, 48, 64 and 400 cut at the cap of 100 -> 12, 28, 44, 80 to come.
+    to_come = [12, 28, 44, 80]
+    expected_mean = sum(to_come) / 4
+    expected_variance = sum((v - expected_mean) ** 2 for v in to_come) / 4
+    assert mean == pytest.approx(2 * (expected_mean / 16 + 1))
+    assert variance == pytest.approx((2 / 16) ** 2 * expected_variance)
+    # Beyond every length observed, or without an outlook: the reservation as it is.
+    ledger.grow(1, 1, 90)
+    ledger.grow(1, 0, 90)
+    assert remaining_moments(entry) == (entry.reserved_blocks - entry.held_blocks, 0.0)
+    plain = ledger.open(2, demand(), 0.0)
+    assert remaining_moments(plain) == (plain.reserved_blocks - plain.held_blocks, 0.0)
+
+
+def test_pooling_commits_the_quantile_of_the_sum_not_the_sum_of_quantiles() -> None:
+    # Heavy-tailed answers, as chat traffic has: most short, some long, cut at the cap.
+    rng = random.Random(7)
+    cap = 512
+    lengths = [min(cap, int(rng.lognormvariate(4.0, 1.0))) for _ in range(1000)]
+    outlook = OutputDistribution(lengths)
+    quantile = 0.9
+    p90 = sorted(lengths)[int(quantile * len(lengths)) - 1]
+    ledger = InMemoryLedger(pooling_z=NormalDist().inv_cdf(quantile))
+    requests = 16
+    progress = [rng.choice([0, 0, 10, 40, 100]) for _ in range(requests)]
+    for key, produced in enumerate(progress):
+        ledger.open(key, demand(prompt=64, expected=p90, cap=cap), 0.0, outlook)
+        ledger.grow(key, 0, produced)
+    ledger.rebalance()
+    totals = ledger.totals()
+    committed = totals.committed_blocks
+    assert totals.pooling_blocks > 0
+    # Sixteen at once: a fifth or more of the output still to come is not committed.
+    assert totals.pooling_blocks >= 0.2 * (totals.reserved_blocks - totals.held_blocks)
+
+    # Draw how long each request will really run, from the same lengths, given its progress:
+    # the blocks they hold at their ends together exceed the commitment about one time in ten.
+    entries = list(ledger.entries())
+    trials = 4000
+    exceeded = 0
+    for _ in range(trials):
+        total = 0
+        for entry, produced in zip(entries, progress, strict=True):
+            final = rng.choice([length for length in lengths if length > produced] or [produced])
+            total += entry.demand.blocks_at(min(final, cap))
+        exceeded += total > committed
+    assert exceeded / trials <= 1 - quantile + 0.03
+
+    # One request alone gains little: its own quantile is near what the pool commits.
+    single = InMemoryLedger(pooling_z=NormalDist().inv_cdf(quantile))
+    single.open(0, demand(prompt=64, expected=p90, cap=cap), 0.0, outlook)
+    single.rebalance()
+    assert single.totals().committed_blocks >= 0.85 * single.totals().reserved_blocks
+    # Closing entries recomputes what the rest commit, down to nothing.
+    for key in range(requests):
+        ledger.close(key)
+    assert ledger.totals() == LedgerTotals(0, 0, 0, 0)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.output_model import OutputKey, OutputLengthModel, PredictionSource
+from gateway.output_model import OutputDistribution, OutputKey, OutputLengthModel, PredictionSource
 
 CHAT = OutputKey("m", "chat")
 
@@ -94,3 +94,40 @@ def test_prediction_is_an_observed_value_within_the_cap(
     tokens = m.predict(CHAT, cap).tokens
     assert tokens <= cap
     assert tokens == cap or tokens in lengths[-50:]
+
+
+@given(st.lists(st.integers(0, 2_000), min_size=1, max_size=60), st.integers(0, 2_100), st.integers(1, 2_100))
+def test_remaining_output_moments_match_a_direct_count(lengths: list[int], produced: int, cap: int) -> None:
+    moments = OutputDistribution(lengths).remaining(produced, cap)
+    # Directly: the lengths beyond what was produced, each cut at the cap, less what was produced.
+    to_come = [min(length, cap) - produced for length in lengths if length > produced]
+    if produced >= cap or not to_come:
+        assert moments is None
+        return
+    assert moments is not None
+    mean = sum(to_come) / len(to_come)
+    variance = sum((value - mean) ** 2 for value in to_come) / len(to_come)
+    assert moments[0] == pytest.approx(mean)
+    assert moments[1] == pytest.approx(variance, abs=1e-6 * max(1.0, mean * mean))
+
+
+def test_distribution_follows_the_window_and_is_rebuilt_only_after_enough_change() -> None:
+    m = OutputLengthModel(quantile=0.9, min_samples=2, window=128)
+    m.observe(CHAT, 10)
+    assert m.distribution(CHAT) is None  # cold: predict answers the cap, nothing to pool
+    for _ in range(127):
+        m.observe(CHAT, 10)
+    first = m.distribution(CHAT)
+    assert first is not None
+    assert first.remaining(0, 1000) == (10.0, 0.0)
+    m.observe(CHAT, 1000)  # one change in 128: not yet worth a rebuild (128 // 64 = 2)
+    assert m.distribution(CHAT) is first
+    m.observe(CHAT, 1000)
+    rebuilt = m.distribution(CHAT)
+    assert rebuilt is not first
+    assert len(rebuilt) == 128
+    mean, variance = rebuilt.remaining(0, 1000)
+    assert mean == pytest.approx((126 * 10 + 2 * 1000) / 128)
+    assert variance > 0
+    # A coarser key answers when the specific one has too few samples, as predict does.
+    assert m.distribution(OutputKey("m", "chat", "tenant-a")) is rebuilt

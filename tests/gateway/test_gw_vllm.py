@@ -17,7 +17,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import testbed
 from conftest import Served, ledger_is_empty, served_gateway
+
+from bench import counting
 
 pytestmark = pytest.mark.vllm
 
@@ -238,6 +241,77 @@ def test_multiplexing_runs_requests_whose_peaks_do_not_meet(vllm_url: str) -> No
     together = [sample for sample in samples if sample[0] == 3]
     assert together, "the third request waited for the first to end"
     assert max(reserved for _, reserved, _, _ in together) > together[0][3]  # beyond the pool at peaks
+    assert all(committed <= admissible for _, _, committed, admissible in samples)
+    assert vllm_gauge(vllm_url, "vllm:num_preemptions_total") - before == 0
+
+
+def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> None:
+    # 32-token blocks, 63 in the pool. The gateway learns answers of 60 tokens six times in
+    # eight and 600 twice: the p90 it reserves is 600 tokens, 19 blocks a request, and three
+    # such reservations fill the pool. Four requests that will answer 60, 60, 60 and 600
+    # (25 blocks at their ends together) then come at once. Pooled, the p90 of their sum is
+    # about 51 blocks, and all four run together, without a preemption.
+    eos = counting.eos_token_id(testbed.model_dir())
+    assert eos is not None
+    wait_vllm_idle(vllm_url)
+    before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
+    samples: list[tuple[int, int, int, int]] = []  # entries, reserved, committed, admissible
+    done = threading.Event()
+    with (
+        served_gateway(
+            vllm_url,
+            discover_tokenizer=True,
+            metrics_poll_interval_s=0.1,
+            output_pooling=True,
+            output_min_samples=8,
+            output_window_samples=8,
+        ) as kvgate,
+        ThreadPoolExecutor(8) as pool,
+    ):
+
+        def send(length: int) -> httpx.Response:
+            body = {
+                "model": MODEL,
+                "prompt": "Once upon a",
+                "max_tokens": 600,
+                # The answer's length, forced as the bench forces it: EOS held back until then.
+                "min_tokens": length - 1,
+                "logit_bias": {str(eos): 100},
+                "stream": True,
+            }
+            return httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=180)
+
+        learned = list(pool.map(send, [60] * 6 + [600] * 2))
+        assert [r.status_code for r in learned] == [200] * 8
+        kvgate.wait_until(ledger_is_empty, what="the learning requests to finish")
+
+        def watch() -> None:
+            def sample(gw: Any) -> tuple[int, int, int, int]:
+                totals, snapshot = gw.ledger.totals(), gw.budget.snapshot(gw.clock())
+                return (
+                    totals.entries,
+                    totals.reserved_blocks,
+                    snapshot.committed_blocks,
+                    snapshot.admissible_blocks,
+                )
+
+            while not done.is_set():
+                samples.append(kvgate.call(lambda: sample(kvgate.gateway)))
+                time.sleep(0.02)
+
+        watcher = pool.submit(watch)
+        burst = list(pool.map(send, [600, 60, 60, 60]))
+        done.set()
+        watcher.result()
+        lengths = [
+            sum(1 for event in sse_payloads(r.text) if event != "[DONE]" and event["choices"][0]["text"])
+            for r in burst
+        ]
+    assert [r.status_code for r in burst] == [200] * 4
+    assert lengths[0] > lengths[1]  # the lengths were forced: one long answer, three short
+    together = [sample for sample in samples if sample[0] == 4]
+    assert together, "the four requests never ran at once"
+    assert max(reserved for _, reserved, _, _ in together) > together[0][3]  # beyond the pool
     assert all(committed <= admissible for _, _, committed, admissible in samples)
     assert vllm_gauge(vllm_url, "vllm:num_preemptions_total") - before == 0
 
