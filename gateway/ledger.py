@@ -333,8 +333,9 @@ class InMemoryLedger:
                 # the set may still reach it without this entry (see the module docstring).
                 self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
                 # Without the entry the pooled quantile falls by at most its mean (the
-                # deviation of a sum shrinks less than the part's): the discount shrinks by
-                # its reservation beyond that mean, never more than it may.
+                # deviation of a sum shrinks by less than the part's own), so taking its
+                # reservation beyond that mean off the discount leaves the discount no larger
+                # than a recomputation would make it.
                 beyond_mean = entry.reserved_blocks - entry.held_blocks - remaining_moments(entry)[0]
                 self._pooling = max(0, self._pooling - math.ceil(max(0.0, beyond_mean)))
         return ClosedEntry(

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from estimator.demand import BlockCost, Demand
 from gateway.ledger import (
+    REBALANCE_ON_CLOSE_MAX_ENTRIES,
     InMemoryLedger,
     LedgerEntry,
     LedgerTotals,
@@ -316,3 +317,24 @@ def test_pooling_commits_the_quantile_of_the_sum_not_the_sum_of_quantiles() -> N
     for key in range(requests):
         ledger.close(key)
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(("multiplex", "pooling"), [(True, False), (False, True), (True, True)])
+def test_with_many_in_flight_a_close_never_commits_less_than_a_recomputation(
+    multiplex: bool, pooling: bool
+) -> None:
+    # Beyond REBALANCE_ON_CLOSE_MAX_ENTRIES a close does not recompute: it must stay on the
+    # safe side of what the next scrape's recomputation will find.
+    rng = random.Random(3)
+    ledger = InMemoryLedger(multiplex=multiplex, pooling_z=1.28 if pooling else None)
+    for key in range(REBALANCE_ON_CLOSE_MAX_ENTRIES + 20):
+        ledger.open(key, demand(prompt=rng.randint(1, 100), expected=150, cap=200), 0.0, OUTLOOK)
+        ledger.grow(key, 0, rng.randint(0, 30))
+    ledger.rebalance()
+    totals = ledger.totals()
+    assert max(totals.multiplex_blocks, totals.pooling_blocks) > 0  # there is a discount to keep
+    for key in rng.sample(range(REBALANCE_ON_CLOSE_MAX_ENTRIES + 20), 15):
+        ledger.close(key)
+        kept = ledger.totals().committed_blocks
+        ledger.rebalance()
+        assert kept >= ledger.totals().committed_blocks
