@@ -387,11 +387,11 @@ class InMemoryLedger:
         self.rebalance()
 
     def rebalance(self) -> None:
-        entries = list(self._entries.values())
         self._multiplex = 0
         self._pooling = 0
-        if not entries:
-            return
+        if not self._entries or (not self.multiplex and self.pooling_z is None):
+            return  # called at every scrape: nothing to list when neither discount is on
+        entries = list(self._entries.values())
         if self.multiplex:
             peak = projected_peak_blocks(entries)
             self._multiplex = max(0, self._reserved - self._credit - peak)

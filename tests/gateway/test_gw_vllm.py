@@ -6,6 +6,7 @@ random model is deterministic); ids and timestamps differ by nature and are mask
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -184,6 +185,33 @@ def test_a_burst_through_kvgate_causes_no_preemption(kvgate: Served, vllm_url: s
     kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
 
 
+# What the budget tests sample: ledger entries, reserved, committed and admissible blocks.
+BudgetSample = tuple[int, int, int, int]
+
+
+@contextlib.contextmanager
+def sampling_budget(kvgate: Served, pool: ThreadPoolExecutor) -> Iterator[list[BudgetSample]]:
+    """Sample the gateway's ledger and budget on its own loop every 20 ms while the block runs."""
+    samples: list[BudgetSample] = []
+    done = threading.Event()
+
+    def sample(gw: Any) -> BudgetSample:
+        totals, snapshot = gw.ledger.totals(), gw.budget.snapshot(gw.clock())
+        return (totals.entries, totals.reserved_blocks, snapshot.committed_blocks, snapshot.admissible_blocks)
+
+    def watch() -> None:
+        while not done.is_set():
+            samples.append(kvgate.call(lambda: sample(kvgate.gateway)))
+            time.sleep(0.02)
+
+    watcher = pool.submit(watch)
+    try:
+        yield samples
+    finally:
+        done.set()
+        watcher.result()
+
+
 def test_multiplexing_runs_requests_whose_peaks_do_not_meet(vllm_url: str) -> None:
     # 32-token blocks, 63 in the pool. A and B take 30 blocks at their ends (5 + 940 tokens),
     # C 20 (5 + 620): 80 at their peaks, more than the pool. B and C come when A is near its
@@ -191,8 +219,6 @@ def test_multiplexing_runs_requests_whose_peaks_do_not_meet(vllm_url: str) -> No
     # about 35 blocks, and with multiplexing all three run at once.
     wait_vllm_idle(vllm_url)
     before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
-    samples: list[tuple[int, int, int, int]] = []  # entries, reserved, committed, admissible
-    done = threading.Event()
     with (
         served_gateway(
             vllm_url,
@@ -208,35 +234,19 @@ def test_multiplexing_runs_requests_whose_peaks_do_not_meet(vllm_url: str) -> No
             body = {"model": MODEL, "prompt": "Once upon a", "max_tokens": max_tokens, "ignore_eos": True}
             return httpx.post(f"{kvgate.url}/v1/completions", json={**body, "stream": True}, timeout=180)
 
-        def watch() -> None:
-            def sample(gw: Any) -> tuple[int, int, int, int]:
-                totals, snapshot = gw.ledger.totals(), gw.budget.snapshot(gw.clock())
-                return (
-                    totals.entries,
-                    totals.reserved_blocks,
-                    snapshot.committed_blocks,
-                    snapshot.admissible_blocks,
-                )
-
-            while not done.is_set():
-                samples.append(kvgate.call(lambda: sample(kvgate.gateway)))
-                time.sleep(0.02)
-
-        watcher = pool.submit(watch)
-        first = pool.submit(send, 940)
-        kvgate.wait_until(
-            lambda gw: any(entry.longest_output >= 860 for entry in gw.ledger.entries()),
-            timeout_s=120,
-            what="the first request to near its end",
-        )
-        second = pool.submit(send, 940)
-        kvgate.wait_until(
-            lambda gw: gw.ledger.totals().entries == 2, timeout_s=10, what="the second admitted"
-        )
-        third = pool.submit(send, 620)
-        responses = [future.result() for future in (first, second, third)]
-        done.set()
-        watcher.result()
+        with sampling_budget(kvgate, pool) as samples:
+            first = pool.submit(send, 940)
+            kvgate.wait_until(
+                lambda gw: any(entry.longest_output >= 860 for entry in gw.ledger.entries()),
+                timeout_s=120,
+                what="the first request to near its end",
+            )
+            second = pool.submit(send, 940)
+            kvgate.wait_until(
+                lambda gw: gw.ledger.totals().entries == 2, timeout_s=10, what="the second admitted"
+            )
+            third = pool.submit(send, 620)
+            responses = [future.result() for future in (first, second, third)]
     assert [r.status_code for r in responses] == [200] * 3
     together = [sample for sample in samples if sample[0] == 3]
     assert together, "the third request waited for the first to end"
@@ -255,8 +265,6 @@ def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> No
     assert eos is not None
     wait_vllm_idle(vllm_url)
     before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
-    samples: list[tuple[int, int, int, int]] = []  # entries, reserved, committed, admissible
-    done = threading.Event()
     with (
         served_gateway(
             vllm_url,
@@ -285,24 +293,8 @@ def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> No
         assert [r.status_code for r in learned] == [200] * 8
         kvgate.wait_until(ledger_is_empty, what="the learning requests to finish")
 
-        def watch() -> None:
-            def sample(gw: Any) -> tuple[int, int, int, int]:
-                totals, snapshot = gw.ledger.totals(), gw.budget.snapshot(gw.clock())
-                return (
-                    totals.entries,
-                    totals.reserved_blocks,
-                    snapshot.committed_blocks,
-                    snapshot.admissible_blocks,
-                )
-
-            while not done.is_set():
-                samples.append(kvgate.call(lambda: sample(kvgate.gateway)))
-                time.sleep(0.02)
-
-        watcher = pool.submit(watch)
-        burst = list(pool.map(send, [600, 60, 60, 60]))
-        done.set()
-        watcher.result()
+        with sampling_budget(kvgate, pool) as samples:
+            burst = list(pool.map(send, [600, 60, 60, 60]))
         lengths = [
             sum(1 for event in sse_payloads(r.text) if event != "[DONE]" and event["choices"][0]["text"])
             for r in burst
