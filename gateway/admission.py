@@ -36,7 +36,9 @@ cannot use yet, within the same bounds).
 Predicted wait: the blocks that must free up before a waiter fits (everything still queued
 ahead of it, plus its own reservation, minus what is free) divided by the observed rate at
 which blocks free up. When that lands past its deadline it is shed at once with 429 rather
-than left to time out; with no rate observed yet nobody is shed early.
+than left to time out; with no rate observed yet nobody is shed early. That prediction holds
+for a queue served in order; bypassing makes small requests wait less and large ones more, and
+an optional `WaitScale` corrects an arrival's prediction for its size.
 
 Two deadlines per request: `deadline_at`, past which the client no longer waits (it is shed
 then, or as soon as that is predicted), and `objective_at`, when it wants its first token. The
@@ -55,6 +57,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from gateway.capacity import BudgetSnapshot, BudgetState
 
@@ -166,17 +169,33 @@ class PolicyConfig:
     arrival_slack: float = 0.0
 
 
+class WaitScale(Protocol):
+    """Corrects an in-order wait prediction for a request's size (see
+    `gateway.rates.WaitCalibration`)."""
+
+    def factor(self, blocks: int, pool_blocks: int) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What an arriving waiter that stays was predicted to wait: `wait_s`, the prediction its
+    early shedding weighed, and `in_order_s`, the same before any correction for its size."""
+
+    key: int
+    wait_s: float
+    in_order_s: float
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The outcome of one `plan` call. `admit` is in admission order; `bypassed` lists the
     waiters that stay queued and were overtaken, with how many times in this plan; `predicted`
-    the seconds each arriving waiter that stays is predicted to wait (the prediction its early
-    shedding weighed), when a drain rate is known."""
+    the waits of the arriving waiters that stay, when a drain rate is known."""
 
     admit: tuple[int, ...]
     shed: tuple[tuple[int, Decision], ...]
     bypassed: tuple[tuple[int, int], ...]
-    predicted: tuple[tuple[int, float], ...] = ()
+    predicted: tuple[Prediction, ...] = ()
 
 
 EMPTY_PLAN = Plan((), (), ())
@@ -224,8 +243,10 @@ class AdmissionPolicy:
         budget: BudgetSnapshot,
         drain_rate: float | None,
         now: float,
+        scale: WaitScale | None = None,
     ) -> Plan:
-        """Decide for every waiter. `waiters` must be in queue order (priority, arrival)."""
+        """Decide for every waiter. `waiters` must be in queue order (priority, arrival).
+        `scale`, when given, corrects the predicted wait of each arrival for its size."""
         if not waiters:
             return EMPTY_PLAN
         retry = self.config.retry
@@ -249,7 +270,7 @@ class AdmissionPolicy:
         # allowance left among them. At zero the queue is blocked behind them.
         allowance = math.inf
         staying: list[tuple[int, int]] = []  # (key, admissions so far when it stayed)
-        predicted: list[tuple[int, float]] = []
+        predicted: list[Prediction] = []
         for waiter in waiters:
             ask = waiter.ask
             if now >= ask.deadline_at:
@@ -266,8 +287,13 @@ class AdmissionPolicy:
             held_wait_s = (
                 max(0, shortfall) / drain_rate if drain_rate is not None and drain_rate > 0 else None
             )
-            if self.config.early_shed and held_wait_s is not None:
-                ready_at = now + held_wait_s
+            # An arrival's wait, corrected for its size; waiters already queued are judged by
+            # the in-order wait alone (the correction was learned on arrivals' whole waits).
+            predicted_s = held_wait_s
+            if held_wait_s is not None and scale is not None and waiter.arriving:
+                predicted_s = held_wait_s * scale.factor(ask.reserve_blocks, budget.pool_limit_blocks)
+            if self.config.early_shed and predicted_s is not None:
+                ready_at = now + predicted_s
                 reason = None
                 latest = ask.deadline_at
                 if waiter.arriving:
@@ -283,8 +309,8 @@ class AdmissionPolicy:
                     continue
             ahead += ask.reserve_blocks
             staying.append((waiter.key, len(admit)))
-            if waiter.arriving and held_wait_s is not None:
-                predicted.append((waiter.key, held_wait_s))
+            if waiter.arriving and predicted_s is not None and held_wait_s is not None:
+                predicted.append(Prediction(waiter.key, predicted_s, held_wait_s))
             allowance = min(allowance, max(0, self.config.max_bypass - waiter.bypassed))
             if held_wait_s is not None and held_wait_s >= self.config.hol_deadline_share * (
                 ask.deadline_at - now

@@ -66,7 +66,7 @@ from gateway.metrics import GatewayMetrics, GaugeReadings
 from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome, outcome_of_refusal
 from gateway.output_model import OutputKey, OutputLengthModel, OutputPrediction
 from gateway.proxy import RelayResponse, RelayResult, RelayTimeouts, upstream_headers
-from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog
+from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog, WaitCalibration
 from gateway.recent import RecentRequests, RequestSummary
 from gateway.request_id import REQUEST_ID_HEADER, new_request_id
 from gateway.settings import Settings
@@ -236,7 +236,9 @@ class BackendGateway:
         # the rate queue waits are predicted at and the virtual backlog drains at.
         self.saturated_drain = DecayingRate(settings.drain_rate_horizon_s)
         self._saturated = BusyClock(clock())
-        self.virtual_backlog = VirtualBacklog(share=settings.overload_wait_share)
+        self.virtual_backlog = VirtualBacklog(
+            share=settings.overload_wait_share, arrival_horizon_s=settings.overload_arrival_horizon_s
+        )
         self._busy = BusyClock(clock())
         self.first_token_after_admit = Ewma(SERVICE_TIME_EWMA_ALPHA)
         self.seconds_per_output_token = Ewma(SERVICE_TIME_EWMA_ALPHA)
@@ -250,6 +252,7 @@ class BackendGateway:
             drain_rate=self.capacity_rate,
             clock=clock,
             strict_lookback_s=settings.objective_lookback_s,
+            calibration=WaitCalibration() if settings.wait_calibration else None,
         )
         self.info: BackendInfo | None = None
         self._backend_headers: dict[str, str] = {}
@@ -517,6 +520,10 @@ class BackendGateway:
                     self.saturated_drain.rate(self.saturated_time(now))
                 ),
                 "plain_queue_wait_s": _round(self.plain_queue_wait(now)),
+                # None: waits are predicted in queue order, uncorrected.
+                "wait_calibration": (
+                    self.queue.calibration.factors() if self.queue.calibration is not None else None
+                ),
                 "stats": {
                     "admitted": self.queue.stats.admitted,
                     "shed": self.queue.stats.shed,

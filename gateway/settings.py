@@ -65,6 +65,9 @@ DEFAULT_OBJECTIVE_LOOKBACK_S = 0.75
 # The load counts as beyond capacity once a plain queue would keep an arrival waiting this share
 # of its deadline budget (see gateway.rates.VirtualBacklog).
 DEFAULT_OVERLOAD_WAIT_SHARE = 1.0
+# Over this many seconds the offered load is measured, to project a plain queue's wait ahead
+# (see gateway.rates.VirtualBacklog); 0: no projection.
+DEFAULT_OVERLOAD_ARRIVAL_HORIZON_S = 0.0
 # An arrival joins the queue only when predicted to leave it this share of its time to the
 # deadline early (see gateway.admission.PolicyConfig.arrival_slack).
 DEFAULT_ARRIVAL_SLACK = 0.1
@@ -170,7 +173,11 @@ class Settings(BaseSettings):
     drain_rate_horizon_s: float = Field(DEFAULT_DRAIN_RATE_HORIZON_S, gt=0)
     objective_lookback_s: float = Field(DEFAULT_OBJECTIVE_LOOKBACK_S, ge=0, le=10)
     overload_wait_share: float = Field(DEFAULT_OVERLOAD_WAIT_SHARE, gt=0, le=1)
+    overload_arrival_horizon_s: float = Field(DEFAULT_OVERLOAD_ARRIVAL_HORIZON_S, ge=0, le=60)
     arrival_slack: float = Field(DEFAULT_ARRIVAL_SLACK, ge=0, lt=1)
+    # Correct each arrival's predicted wait for its size, learned from past waits (see
+    # gateway.rates.WaitCalibration).
+    wait_calibration: bool = True
     retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0)
     retry_after_min_s: float = Field(DEFAULT_RETRY_AFTER_MIN_S, gt=0)
     retry_after_max_s: float = Field(DEFAULT_RETRY_AFTER_MAX_S, gt=0)

@@ -24,8 +24,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from gateway.admission import ADMIT, AdmissionPolicy, Ask, Decision, DecisionKind, Priority, Waiter
+from gateway.admission import (
+    ADMIT,
+    AdmissionPolicy,
+    Ask,
+    Decision,
+    DecisionKind,
+    Priority,
+    Reason,
+    Waiter,
+)
 from gateway.capacity import BudgetSource
+from gateway.rates import WaitCalibration
 
 
 @dataclass(slots=True)
@@ -36,8 +46,9 @@ class QueueEntry:
     entered_at: float
     resolved_at: float | None = None
     # Seconds the policy predicted it would wait, in its first plan (None: admitted or shed
-    # then, or no drain rate known).
+    # then, or no drain rate known), and the same before the correction for its size.
     predicted_wait_s: float | None = None
+    in_order_wait_s: float | None = None
 
     @property
     def key(self) -> int:
@@ -87,8 +98,12 @@ class WaitQueue:
         clock: Callable[[], float],
         on_resolved: Callable[[QueueEntry, Decision], None] | None = None,
         strict_lookback_s: float = 0.0,
+        calibration: WaitCalibration | None = None,
     ) -> None:
         self._policy = policy
+        # Learns from every admission and deadline how far waits stray from the in-order
+        # prediction, and corrects the next arrivals' predictions (None: no correction).
+        self.calibration = calibration
         self._budget = budget
         self._drain_rate = drain_rate
         self._clock = clock
@@ -150,7 +165,8 @@ class WaitQueue:
             )
             if overflow is not None:
                 del queue[key]
-                entry.predicted_wait_s = None  # it never waited: nothing to check the prediction by
+                # It never waited: nothing to check the prediction by.
+                entry.predicted_wait_s = entry.in_order_wait_s = None
                 self._resolve(entry, overflow, now)
         return entry
 
@@ -191,6 +207,7 @@ class WaitQueue:
             self._budget.snapshot(now),
             self._drain_rate(now),
             now,
+            self.calibration,
         )
         for key in plan.admit:
             entry = self._pop(key)
@@ -201,8 +218,10 @@ class WaitQueue:
         for key, count in plan.bypassed:
             entry = self._find(key)
             entry.waiter = replace(entry.waiter, bypassed=entry.waiter.bypassed + count)
-        for key, wait_s in plan.predicted:
-            self._find(key).predicted_wait_s = wait_s
+        for prediction in plan.predicted:
+            predicted = self._find(prediction.key)
+            predicted.predicted_wait_s = prediction.wait_s
+            predicted.in_order_wait_s = prediction.in_order_s
         for key in self._fresh:
             if (seen := self._find_waiting(key)) is not None:
                 seen.waiter = replace(seen.waiter, arriving=False, strict=False)
@@ -259,6 +278,17 @@ class WaitQueue:
 
     def _resolve(self, entry: QueueEntry, decision: Decision, now: float) -> None:
         entry.resolved_at = now
+        if (
+            self.calibration is not None
+            and entry.in_order_wait_s is not None
+            and (decision.kind is DecisionKind.ADMIT or decision.reason is Reason.DEADLINE_EXPIRED)
+        ):
+            self.calibration.observe(
+                entry.waiter.ask.reserve_blocks,
+                self._budget.snapshot(now).pool_limit_blocks,
+                entry.in_order_wait_s,
+                now - entry.entered_at,
+            )
         if decision.kind is DecisionKind.ADMIT:
             self.stats.admitted += 1
         else:

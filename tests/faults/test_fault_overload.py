@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,11 +157,13 @@ def sim() -> Iterator[SimProcess]:
         yield process
 
 
-@pytest.fixture
-def kvgate(sim: SimProcess, tmp_path: Path) -> Iterator[KvgateProcess]:
+@contextmanager
+def warmed_kvgate(
+    sim: SimProcess, log: Path, settings: dict[str, Any] | None = None
+) -> Iterator[KvgateProcess]:
     """A fresh kvgate, warmed by a burst that keeps its queue busy for about two seconds: by
     then it has seen enough blocks free up while saturated to know the backend's capacity."""
-    with kvgate_process(sim.url, tmp_path / "kvgate.log") as process:
+    with kvgate_process(sim.url, log, settings=settings) as process:
         warm = asyncio.run(offer(process.url, WARM_UP_REQUESTS, math.inf, {}))
         assert [o.status for o in warm] == [200] * WARM_UP_REQUESTS
         poll_until(
@@ -169,6 +172,12 @@ def kvgate(sim: SimProcess, tmp_path: Path) -> Iterator[KvgateProcess]:
             "a saturated drain rate",
         )
         assert_balances(process)
+        yield process
+
+
+@pytest.fixture
+def kvgate(sim: SimProcess, tmp_path: Path) -> Iterator[KvgateProcess]:
+    with warmed_kvgate(sim, tmp_path / "kvgate.log") as process:
         yield process
 
 
@@ -245,3 +254,44 @@ def test_without_an_objective_the_overload_sheds_for_the_deadline_only(
     # most first tokens come well after the objective the other test kept.
     assert statistics.median(served) > 2 * OVERLOAD_OBJECTIVE_S, f"first tokens {sorted(served)}"
     assert_balances(kvgate)
+
+
+# Three times the capacity for 2.5 s: a plain queue would keep the last arrivals about 5 s,
+# inside the 8 s deadline, so without looking ahead this is a burst to serve late.
+SURGE_FACTOR = 3.0
+SURGE_S = 2.5
+SURGE_DEADLINE_S = 8.0
+
+
+@pytest.mark.parametrize("horizon_s", [0.0, 1.0])
+def test_looking_ahead_at_the_load_turns_strict_before_the_plain_queue_does(
+    sim: SimProcess, tmp_path: Path, horizon_s: float
+) -> None:
+    per_s = SURGE_FACTOR * CAPACITY_PER_S
+    count = round(per_s * SURGE_S)
+    settings = {"overload_arrival_horizon_s": horizon_s}
+    with warmed_kvgate(sim, tmp_path / "kvgate.log", settings) as kvgate:
+        outcomes, peak_wait_s = asyncio.run(
+            offer_watching_plain_wait(
+                kvgate, count, per_s, deadline_headers(SURGE_DEADLINE_S, OVERLOAD_OBJECTIVE_S)
+            )
+        )
+        assert_balances(kvgate)
+    served = ttfts(outcomes)
+    codes = [o.code for o in outcomes if o.status != 200]
+    print(
+        f"horizon {horizon_s} s, {count} offered at {per_s:.0f}/s: {len(served)} served, first tokens "
+        f"median {statistics.median(served):.2f} s; sheds { {c: codes.count(c) for c in set(codes)} }; "
+        f"plain queue wait up to {peak_wait_s:.2f} s"
+    )
+    assert peak_wait_s < SURGE_DEADLINE_S - 1.0  # the plain queue alone never calls it an overload
+    if horizon_s == 0:
+        assert codes == [], codes
+        assert statistics.median(served) > 2 * OVERLOAD_OBJECTIVE_S
+    else:
+        # Looking ahead, the surge is an overload: arrivals that would miss their objective are
+        # refused at once, and the ones served get their first tokens sooner.
+        assert codes.count("objective_unreachable") >= count // 5, codes
+        assert set(codes) <= {"objective_unreachable", "deadline_unreachable"}
+        assert all(o.answered_s < PROMPT_SHED_S for o in outcomes if o.status == 429)
+        assert statistics.median(served) < 2 * OVERLOAD_OBJECTIVE_S

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +14,7 @@ from gateway.admission import (
     Ask,
     DecisionKind,
     PolicyConfig,
+    Prediction,
     Priority,
     Reason,
     RetryAdvice,
@@ -215,8 +216,42 @@ def test_the_wait_predicted_for_each_arrival_that_stays_is_reported() -> None:
     plan = AdmissionPolicy(replace(CONFIG, max_bypass=5)).plan(queue, budget(5), 10.0, now=0.0)
     assert plan.admit == (2,)
     assert [key for key, _ in plan.shed] == [3]
-    assert plan.predicted == ((1, pytest.approx(4.5)),)
+    assert plan.predicted == (Prediction(1, pytest.approx(4.5), pytest.approx(4.5)),)
     assert POLICY.plan(queue, budget(5), None, now=0.0).predicted == ()  # no rate, no prediction
+
+
+@dataclass(frozen=True)
+class BySize:
+    """A WaitScale: `small` for requests up to a tenth of the pool, `large` above."""
+
+    small: float
+    large: float
+
+    def factor(self, blocks: int, pool_blocks: int) -> float:
+        return self.small if blocks <= pool_blocks / 10 else self.large
+
+
+def test_a_size_correction_moves_arrivals_early_shedding_both_ways() -> None:
+    # 100-block pool, 10 free, 10 blocks/s, 60 blocks queued ahead (no bypass allowance left).
+    ahead = Waiter(0, ask(60, deadline=100.0), bypassed=CONFIG.max_bypass)
+    small = Waiter(1, ask(5, deadline=6.0), arriving=True)  # in order (60 + 5 - 10) / 10: 5.5 s
+    large = Waiter(2, ask(40, deadline=13.0), arriving=True)  # (60 + 5 + 40 - 10) / 10: 9.5 s
+    queue = [ahead, small, large]
+    scale = BySize(small=0.2, large=2.0)
+    # In order, the small one is shed (5.5 s against its 6 s deadline less the slack) and the
+    # large one stays (9.5 s against 13 s).
+    policy = AdmissionPolicy(replace(CONFIG, arrival_slack=0.1))
+    plain = policy.plan(queue, budget(10), 10.0, now=0.0)
+    assert [key for key, _ in plain.shed] == [1]
+    # Corrected for size, the small one waits 1.1 s and stays; the large one 2 x 9.5 s = 19 s
+    # (the small one, staying, now counts ahead of it) and is shed at once.
+    corrected = policy.plan(queue, budget(10), 10.0, now=0.0, scale=scale)
+    assert [(key, d.reason) for key, d in corrected.shed] == [(2, Reason.DEADLINE_UNREACHABLE)]
+    assert corrected.predicted == (Prediction(1, pytest.approx(1.1), pytest.approx(5.5)),)
+    # Waiters queued before are judged by the in-order wait (and without the arrival slack):
+    # the correction is for arrivals. Both stay, whatever the scale says.
+    settled = [ahead, replace(small, arriving=False), replace(large, arriving=False)]
+    assert policy.plan(settled, budget(10), 10.0, now=0.0, scale=BySize(0.01, 100.0)).shed == ()
 
 
 def test_a_strict_arrival_is_shed_when_it_would_miss_its_objective() -> None:

@@ -20,6 +20,7 @@ from gateway.admission import (
     RetryAdvice,
 )
 from gateway.capacity import BudgetSnapshot, BudgetState
+from gateway.rates import WaitCalibration
 from gateway.waitqueue import QueueEntry, WaitQueue
 
 POLICY = AdmissionPolicy(
@@ -131,6 +132,45 @@ async def test_an_arrival_that_must_wait_keeps_the_wait_predicted_for_it() -> No
     queue.pump()  # later plans leave the arrival's prediction as it was
     assert second.done
     assert third.predicted_wait_s == pytest.approx(2.0)
+
+
+async def test_the_calibration_learns_from_admissions_and_deadlines_and_corrects_arrivals() -> None:
+    clock, budget = FakeClock(), FakeBudget(total=64, committed=64)
+    policy = AdmissionPolicy(replace(POLICY.config, max_queued={p: 100 for p in Priority}))
+    calibration = WaitCalibration(min_samples=2)
+    queue = WaitQueue(
+        policy=policy, budget=budget, drain_rate=lambda now: 4.0, clock=clock, calibration=calibration
+    )
+    # Two small requests predicted at 0.5 s and 1 s in order (2 and 4 blocks at 4 blocks/s)
+    # are both admitted after 0.25 s.
+    first = queue.enter(1, ask(2, clock), lambda now: budget.book(1, 2))
+    second = queue.enter(2, ask(2, clock), lambda now: budget.book(2, 2))
+    assert (first.in_order_wait_s, second.in_order_wait_s) == (pytest.approx(0.5), pytest.approx(1.0))
+    clock.now += 0.25
+    budget.committed = 60
+    queue.pump()
+    assert first.done
+    assert second.done
+    # A large one is still queued at its deadline: its wait counts too (what it waited).
+    large = queue.enter(3, ask(30, clock, within_s=3.0), lambda now: budget.book(3, 30))
+    large_again = queue.enter(4, ask(30, clock, within_s=3.0), lambda now: budget.book(4, 30))
+    clock.now += 3.0
+    queue.pump()
+    assert large.future.result().reason is Reason.DEADLINE_EXPIRED
+    assert large_again.future.result().reason is Reason.DEADLINE_EXPIRED
+    # Small: about (0.25 + 0.25) / (0.5 + 1.0), a third (the later sample weighs a little more).
+    # Large (in order 30/4 = 7.5 s and 15 s, with the first still ahead), 3 s each: about 6 / 22.5.
+    small_factor = calibration.factor(2, 64)
+    assert small_factor == pytest.approx(1 / 3, rel=0.02)
+    assert calibration.factor(30, 64) == pytest.approx(6 / 22.5, rel=0.05)
+    # The next small arrival is predicted at that share of its in-order wait.
+    budget.committed = 64
+    third = queue.enter(5, ask(2, clock), lambda now: budget.book(5, 2))
+    assert third.in_order_wait_s == pytest.approx(0.5)
+    assert third.predicted_wait_s == pytest.approx(0.5 * small_factor)
+    # Requests shed for other reasons teach nothing: the queue is cleared, nothing changes.
+    queue.close(Decision(DecisionKind.SHED, Reason.SHUTTING_DOWN, 1.0))
+    assert [row["samples"] for row in calibration.factors()] == [2, 0, 0, 2]
 
 
 async def test_leaving_withdraws_at_once_and_lets_the_next_in() -> None:
