@@ -119,7 +119,7 @@ class VirtualBacklog:
     later requests past theirs. Under three times the load the backend drains, the gateway turns
     strict once the plain wait reaches a third of the budget. Below one the backlog shrinks, and
     the plain wait decides alone. It is a bet that the load goes on: when a burst ends instead,
-    the requests refused would have been served in time (on the testbed's Azure slice, 11% of
+    the requests refused would have been served in time (on the testbed's Azure slice, 11-23% of
     the useful tokens at 1x; see the README), so it is off by default.
 
     The backlog is capped at `cap_factor` times the arrival's own deadline budget, so that it

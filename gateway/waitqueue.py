@@ -8,6 +8,10 @@ can look at the budget, so two admissions can never spend the same free blocks. 
 every event that can change the answer: an arrival, a completed reservation, a new scrape, and
 a timer armed for the earliest queue deadline, so nobody stays queued past it.
 
+With a `WaitCalibration`, every admission from the queue and every deadline expiry teaches it
+how far the wait strayed from the in-order prediction, and the next arrivals' predictions are
+corrected for their size (see `gateway.rates.WaitCalibration`).
+
 Futures resolve to a `Decision` (admit or shed), never to an exception, so a waiter that went
 away before reading its answer leaves nothing unretrieved behind. A waiter that is cancelled
 (its client left) is removed at once (`leave`).
