@@ -206,9 +206,10 @@ class WaitQueue:
             self._arm_timer(math.inf)
             return
         now = self._clock()
+        budget = self._budget.snapshot(now)
         plan = self._policy.plan(
             [entry.waiter for entry in self.waiting()],
-            self._budget.snapshot(now),
+            budget,
             self._drain_rate(now),
             now,
             self.calibration,
@@ -216,9 +217,13 @@ class WaitQueue:
         for key in plan.admit:
             entry = self._pop(key)
             entry.on_admit(now)
+            self._learn(entry, budget.pool_limit_blocks, now)
             self._resolve(entry, ADMIT, now)
         for key, decision in plan.shed:
-            self._resolve(self._pop(key), decision, now)
+            entry = self._pop(key)
+            if decision.reason is Reason.DEADLINE_EXPIRED:
+                self._learn(entry, budget.pool_limit_blocks, now)
+            self._resolve(entry, decision, now)
         for key, count in plan.bypassed:
             entry = self._find(key)
             entry.waiter = replace(entry.waiter, bypassed=entry.waiter.bypassed + count)
@@ -280,19 +285,16 @@ class WaitQueue:
                 return entry
         raise KeyError(key)
 
+    def _learn(self, entry: QueueEntry, pool_blocks: int, now: float) -> None:
+        """Teach the calibration how long a waiter with a prediction really waited: called for
+        admissions and deadline expiries only (both come from a plan)."""
+        if self.calibration is not None and entry.in_order_wait_s is not None:
+            self.calibration.observe(
+                entry.waiter.ask.reserve_blocks, pool_blocks, entry.in_order_wait_s, now - entry.entered_at
+            )
+
     def _resolve(self, entry: QueueEntry, decision: Decision, now: float) -> None:
         entry.resolved_at = now
-        if (
-            self.calibration is not None
-            and entry.in_order_wait_s is not None
-            and (decision.kind is DecisionKind.ADMIT or decision.reason is Reason.DEADLINE_EXPIRED)
-        ):
-            self.calibration.observe(
-                entry.waiter.ask.reserve_blocks,
-                self._budget.snapshot(now).pool_limit_blocks,
-                entry.in_order_wait_s,
-                now - entry.entered_at,
-            )
         if decision.kind is DecisionKind.ADMIT:
             self.stats.admitted += 1
         else:
