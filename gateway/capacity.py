@@ -20,7 +20,10 @@ a request that was just sent may not be allocated yet, and crediting its absence
 the gateway promise the same blocks twice. For the same reason no credit is given while vLLM
 reports waiting requests (they hold nothing yet but will). One partially filled block per
 settled sequence is tolerated before usage counts as external: vLLM allocates the slot of a
-token before the gateway sees the token.
+token before the gateway sees the token. So are the blocks of requests completed since
+`settle_s` before the scrape started: a scrape is a snapshot of some moment during it, and
+vLLM's gauges trail its engine by a step, so a request that ended just before or during the
+scrape may still be counted there while the ledger has already let it go.
 
 On top sits an AIMD limit on the admissible share of the pool: a rising
 `vllm:num_preemptions_total` multiplies it down (once per cooldown, preemptions come in
@@ -215,6 +218,9 @@ class KvBudget:
         self._digests: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
         # First scrape of a run showing settled requests in flight and a text that never changes.
         self._motionless_since: float | None = None
+        # (parsed at, the ledger's released-blocks counter then), from the last one at or
+        # before the settle horizon on.
+        self._released: deque[tuple[float, int]] = deque()
 
     @property
     def external_blocks(self) -> int:
@@ -255,7 +261,7 @@ class KvBudget:
             self._motionless_since = None
         used = reading.used_blocks
         gap = used - split.settled_blocks - split.fresh_blocks
-        slack = split.settled_sequences
+        slack = split.settled_sequences + self._released_since(settled_before, now)
         kept = 1.0
         external = 0
         if gap > slack:
@@ -284,6 +290,17 @@ class KvBudget:
         self._unreachable_failures = 0
         self._last_error = ""
         return Reconciliation(preemptions, external, kept)
+
+    def _released_since(self, moment: float, now: float) -> int:
+        """Blocks of requests completed since `moment`, or a little more: counted from the
+        last scrape at or before it (from the ledger's start when there is none)."""
+        released = self._ledger.released_blocks
+        history = self._released
+        while len(history) >= 2 and history[1][0] <= moment:
+            history.popleft()
+        baseline = history[0][1] if history and history[0][0] <= moment else 0
+        history.append((now, released))
+        return released - baseline
 
     def observe_failure(self, error: str, *, unreachable: bool, now: float) -> None:
         """A scrape failed: `unreachable` when no connection could be made at all."""

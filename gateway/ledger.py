@@ -39,9 +39,9 @@ locking), every method is O(1) except the per-scrape `held_split` / `set_credit`
 and `rebalance` (O(entries x PEAK_BREAKPOINTS) multiplexed, O(entries x log window) pooled,
 also run by `close` while at most `REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is
 idempotent and the totals (but `multiplex_blocks` and `pooling_blocks`) are exact integer sums
-over the open entries. Whatever runs on every request (admission, the queue's drain-rate
-projection) reads totals only, never iterates the entries: its cost must not grow with the
-number of requests in flight.
+over the open entries. Whatever runs on every request
+(admission, the queue's drain-rate projection) reads totals only, never iterates the entries:
+its cost must not grow with the number of requests in flight.
 """
 
 from __future__ import annotations
@@ -137,6 +137,12 @@ class Ledger(Protocol):
         ...
 
     def totals(self) -> LedgerTotals: ...
+
+    @property
+    def released_blocks(self) -> int:
+        """What the completed entries held at their ends, summed since the ledger was made: a
+        counter, for telling what vLLM may still report of requests that just ended."""
+        ...
 
     def remaining_output_tokens(self) -> int:
         """Output tokens the open entries still expect to produce: the sum over entries of
@@ -262,6 +268,7 @@ class InMemoryLedger:
         self._remaining = 0
         self._multiplex = 0
         self._pooling = 0
+        self._released = 0
         self.multiplex = multiplex
         self.pooling_z = pooling_z
 
@@ -323,6 +330,7 @@ class InMemoryLedger:
             return None
         self._reserved -= entry.reserved_blocks
         self._held -= entry.held_blocks
+        self._released += entry.held_blocks
         self._credit -= entry.credit_blocks
         self._remaining -= _to_go(entry)
         if self.multiplex or self.pooling_z is not None:
@@ -356,6 +364,10 @@ class InMemoryLedger:
             multiplex_blocks=self._multiplex,
             pooling_blocks=self._pooling,
         )
+
+    @property
+    def released_blocks(self) -> int:
+        return self._released
 
     def remaining_output_tokens(self) -> int:
         return self._remaining

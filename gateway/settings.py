@@ -33,7 +33,8 @@ DEFAULT_METRICS_POLL_INTERVAL_S = 0.2
 DEFAULT_METRICS_TIMEOUT_S = 1.0
 DEFAULT_METRICS_STALE_AFTER_S = 1.0
 DEFAULT_BACKEND_DOWN_AFTER_FAILURES = 2
-# Requests younger than this at a scrape may not be allocated inside vLLM yet: no credit.
+# Requests younger than this at a scrape may not be allocated inside vLLM yet (no credit), and
+# requests that ended this recently may still be counted there (not someone else's usage).
 DEFAULT_SETTLE_S = 0.5
 
 # AIMD on the admissible share of the KV pool.

@@ -90,6 +90,23 @@ def test_external_usage_follows_the_ledger_between_scrapes() -> None:
     assert budget.snapshot(now=10.1).committed_blocks == 19
 
 
+def test_a_request_that_just_ended_is_not_taken_for_external_usage() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(20), now=0.0)
+    ledger.open(2, booking(5), now=0.0)
+    budget = KvBudget(CONFIG, ledger)
+    assert budget.observe(reading(25.0), started_at=10.0, now=10.01).external_blocks == 0
+    ledger.close(1)  # ends while the next scrape is under way, which still sees its 20 blocks
+    result = budget.observe(reading(25.0), started_at=10.2, now=10.21)
+    assert result.external_blocks == 0
+    assert budget.snapshot(now=10.21).committed_blocks == 5
+    # Settle time later vLLM still reports them: no longer explained by the ended request.
+    assert budget.observe(reading(25.0), started_at=10.8, now=10.81).external_blocks == 19
+    ledger.close(2)  # its 5 blocks may still be reported for the settle time, no longer
+    assert budget.observe(reading(25.0), started_at=11.0, now=11.01).external_blocks == 25 - 5
+    assert budget.observe(reading(25.0), started_at=12.0, now=12.01).external_blocks == 25
+
+
 def test_a_scrape_multiplexes_the_peaks_of_requests_at_different_stages() -> None:
     ledger = InMemoryLedger(multiplex=True)
     ledger.open(1, booking(2, 20), now=0.0)  # peaks at 22 blocks, 320 tokens from now

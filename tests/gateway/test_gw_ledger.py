@@ -87,6 +87,7 @@ def test_close_is_idempotent_and_reports_what_was_held() -> None:
     assert closed.admitted_at == 1.5
     assert ledger.close(7) is None
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
+    assert ledger.released_blocks == closed.held_blocks > 0  # counted once
     ledger.grow(7, 0, 5)  # late tokens of a closed entry are ignored
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
 
