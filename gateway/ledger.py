@@ -39,9 +39,9 @@ locking), every method is O(1) except the per-scrape `held_split` / `set_credit`
 and `rebalance` (O(entries x PEAK_BREAKPOINTS) multiplexed, O(entries x log window) pooled,
 also run by `close` while at most `REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is
 idempotent and the totals (but `multiplex_blocks` and `pooling_blocks`) are exact integer sums
-over the open entries. Whatever runs on every request
-(admission, the queue's drain-rate projection) reads totals only, never iterates the entries:
-its cost must not grow with the number of requests in flight.
+over the open entries. Whatever runs on every request (admission, the queue's drain-rate
+projection) reads totals only, never iterates the entries: its cost must not grow with the
+number of requests in flight.
 """
 
 from __future__ import annotations
