@@ -293,7 +293,8 @@ class KvBudget:
 
     def _released_since(self, moment: float, now: float) -> int:
         """Blocks of requests completed since `moment`, or a little more: counted from the
-        last scrape at or before it (from the ledger's start when there is none)."""
+        last scrape at or before it (from the ledger's start when there is none). Records the
+        counter as of `now` for the scrapes to come."""
         released = self._ledger.released_blocks
         history = self._released
         while len(history) >= 2 and history[1][0] <= moment:
