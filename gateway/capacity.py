@@ -58,6 +58,14 @@ from gateway.ledger import Ledger
 from gateway.vllm_metrics import BackendReading
 
 
+def _last_before(history: deque[tuple[float, float]], moment: float) -> float | None:
+    """The value of the last scrape parsed before `moment` (None: none is that old)."""
+    for parsed_at, value in reversed(history):
+        if parsed_at < moment:
+            return value
+    return None
+
+
 def _moved_since(
     history: deque[tuple[float, float]], moment: float | None, value: float | None
 ) -> bool | None:
@@ -65,10 +73,8 @@ def _moved_since(
     counter that went down, vLLM restarted, counts as moved). None when either is unknown."""
     if moment is None or value is None:
         return None
-    for parsed_at, before in reversed(history):
-        if parsed_at < moment:
-            return value != before
-    return None
+    before = _last_before(history, moment)
+    return None if before is None else value != before
 
 
 class BudgetState(StrEnum):
@@ -218,9 +224,8 @@ class KvBudget:
         self._digests: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
         # First scrape of a run showing settled requests in flight and a text that never changes.
         self._motionless_since: float | None = None
-        # (parsed at, the ledger's released-blocks counter then), from the last one at or
-        # before the settle horizon on.
-        self._released: deque[tuple[float, int]] = deque()
+        # (parsed at, the ledger's released-blocks counter then) of recent scrapes.
+        self._released: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
 
     @property
     def external_blocks(self) -> int:
@@ -243,6 +248,11 @@ class KvBudget:
             self._steps.append((now, reading.engine_steps_total))
         if reading.digest is not None:
             self._digests.append((now, reading.digest))
+        # Blocks of requests completed since the settle horizon, or a little more: counted from
+        # the last scrape before it (from the ledger's start when there is none).
+        released = self._ledger.released_blocks
+        released_since = released - int(_last_before(self._released, settled_before) or 0)
+        self._released.append((now, released))
         if changed is False:
             if self._motionless_since is None:
                 self._motionless_since = started_at
@@ -261,7 +271,7 @@ class KvBudget:
             self._motionless_since = None
         used = reading.used_blocks
         gap = used - split.settled_blocks - split.fresh_blocks
-        slack = split.settled_sequences + self._released_since(settled_before, now)
+        slack = split.settled_sequences + released_since
         kept = 1.0
         external = 0
         if gap > slack:
@@ -290,18 +300,6 @@ class KvBudget:
         self._unreachable_failures = 0
         self._last_error = ""
         return Reconciliation(preemptions, external, kept)
-
-    def _released_since(self, moment: float, now: float) -> int:
-        """Blocks of requests completed since `moment`, or a little more: counted from the
-        last scrape at or before it (from the ledger's start when there is none). Records the
-        counter as of `now` for the scrapes to come."""
-        released = self._ledger.released_blocks
-        history = self._released
-        while len(history) >= 2 and history[1][0] <= moment:
-            history.popleft()
-        baseline = history[0][1] if history and history[0][0] <= moment else 0
-        history.append((now, released))
-        return released - baseline
 
     def observe_failure(self, error: str, *, unreachable: bool, now: float) -> None:
         """A scrape failed: `unreachable` when no connection could be made at all."""
