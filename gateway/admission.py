@@ -17,8 +17,8 @@ does not stop smaller requests behind it from being admitted into the blocks tha
 It blocks the queue (nothing behind it is admitted until it fits, so blocks accumulate for it
 as in-flight requests complete) once either bound is reached:
 
-- its deadline: the wait it would have if blocks were held for it from now on (its shortfall
-  over the drain rate) reaches `hol_deadline_share` of the time left to its deadline. Holding
+- its deadline: the wait it would have if blocks were held for it from now on (the blocks
+  that must free up before it fits, see below, over the drain rate) reaches `hol_deadline_share` of the time left to its deadline. Holding
   blocks idle costs the whole queue throughput, so it is done only when the large request
   would otherwise be late: with a share of one half, a drain twice slower than predicted
   still lets it in on time;
@@ -37,8 +37,8 @@ Holding is weighed before it starts. Blocks held for one waiter are blocks the w
 it cannot have: when, at the moment a waiter's deadline starts to need them, the waiters of
 its priority already behind it that the hold would push past their deadlines reserve more
 blocks than it does, it is shed (429) instead. Without this, a few large prompts queued back
-to back blocked the queue one after another: the last one's wait counts everyone ahead of it,
-so it held the queue early, the small requests behind it were all refused 4-6 s after they
+to back blocked the queue one after another: the last one's wait counts the others ahead of
+it, so it held the queue early, 18 small requests behind it were refused 4-6 s after they
 arrived, and the large ones were refused at their deadlines anyway (the CPU testbed's Azure
 slice at 3x: 22 late 429s from one such stretch).
 
@@ -347,7 +347,9 @@ class AdmissionPolicy:
                 if (
                     holds
                     and self.config.early_shed
-                    and _blocks_a_hold_would_cost(waiter, behind, held_wait_s, drain_rate, now)
+                    and _blocks_a_hold_would_cost(
+                        waiter, behind, ahead + ask.reserve_blocks, free, drain_rate, now
+                    )
                     > ask.reserve_blocks
                 ):
                     decision = Decision(
@@ -378,18 +380,24 @@ def _wait_s(blocks_to_free: int, drain_rate: float | None) -> float | None:
 
 
 def _blocks_a_hold_would_cost(
-    holder: Waiter, behind: Sequence[Waiter], hold_s: float, drain_rate: float, now: float
+    holder: Waiter, behind: Sequence[Waiter], blocked_ahead: int, free: int, drain_rate: float, now: float
 ) -> int:
     """The blocks reserved by the waiters of the holder's priority behind it that holding the
-    queue for `hold_s` would push past their deadlines: each still needs its own blocks to free
-    after the hold. Lower priorities wait behind a higher one whatever it costs them."""
+    queue for it would push past their deadlines. Behind a hold the queue is served in order:
+    each waits for `blocked_ahead` (everything ahead of it up to the holder, the holder
+    included) and for those between that would still make it. Lower priorities wait behind a
+    higher one whatever it costs them."""
     lost = 0
+    ahead = blocked_ahead
     for waiter in behind:
         ask = waiter.ask
-        if ask.priority is not holder.ask.priority or now >= ask.deadline_at:
+        if now >= ask.deadline_at:
             continue
-        if now + hold_s + ask.reserve_blocks / drain_rate > ask.deadline_at:
-            lost += ask.reserve_blocks
+        if now + max(0, ahead + ask.reserve_blocks - free) / drain_rate > ask.deadline_at:
+            if ask.priority is holder.ask.priority:
+                lost += ask.reserve_blocks
+            continue
+        ahead += ask.reserve_blocks
     return lost
 
 

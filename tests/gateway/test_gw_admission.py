@@ -199,6 +199,19 @@ def test_a_hold_that_would_cost_the_waiters_behind_more_than_it_brings_sheds_the
         2,
         3,
     ]
+    # Behind a hold the queue is served in order, so the waiters between count too: a patient
+    # 10-block one, then eight of 5 blocks 3.6 s from their deadlines. The first of these
+    # would be served at (30 + 10 + 5 - 10) / 10 = 3.5 s; the seven after it at 4 s or later,
+    # too late: 35 blocks lost, more than the head's 30.
+    crowd = [head, ask(10, deadline=100.0)] + [ask(5, deadline=3.6)] * 8
+    crowded = policy.plan(waiters(*crowd), budget(10), 10.0, now=0.0)
+    assert crowded.shed[0][0] == 0
+    assert crowded.admit == (1,)  # the queue open again, the 10-block one fits at once
+    # With one of the eight fewer (30 lost, not more than 30) the head holds instead, and
+    # those six are refused.
+    held = policy.plan(waiters(*crowd[:-1]), budget(10), 10.0, now=0.0)
+    assert held.admit == ()
+    assert [key for key, _ in held.shed] == [3, 4, 5, 6, 7, 8]
     # Without early shedding nobody is refused on a prediction: the head holds.
     quiet = AdmissionPolicy(replace(policy.config, early_shed=False))
     assert quiet.plan(waiters(head, small(), small(), small()), budget(10), 10.0, now=0.0).shed == ()
