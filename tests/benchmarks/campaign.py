@@ -9,6 +9,12 @@ rate with `kvgate bench` (pinned to core 0), and, for `none` with `--kvgate`, al
 kvgate in front of that same vLLM (bench alternates the targets: A B A B with `--repeat`).
 It writes each bench run's report under --out and prints one table of the figures that the
 issues compare. Not a test: it takes minutes per guard.
+
+To judge a change to kvgate's code (not a setting) on the same arrivals, `--baseline DIR` also
+runs a kvgate with its defaults from another checkout, e.g. the commit before the change:
+
+    git worktree add build/baseline HEAD~1
+    .venv/bin/python tests/benchmarks/campaign.py ... --kvgate --baseline build/baseline
 """
 
 from __future__ import annotations
@@ -52,12 +58,21 @@ def pick(summary: dict[str, Any], key: str | tuple[str, str]) -> Any:
     return summary.get(key)
 
 
-def start_kvgate(backend: str, port: int, log: Path, extra: list[str]) -> subprocess.Popen[bytes]:
-    command = [str(BIN / "kvgate"), "serve", "--backend", backend, "--port", str(port), *extra]
+def start_kvgate(
+    backend: str, port: int, log: Path, extra: list[str], code: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `kvgate serve`, from this checkout or, with `code`, from the sources there (found
+    first on the path; this environment's installed packages serve both)."""
+    serve = ["serve", "--backend", backend, "--port", str(port), *extra]
+    command = [str(BIN / "kvgate"), *serve]
+    env = None
+    if code is not None:
+        command = [str(BIN / "python"), "-m", "gateway.cli", *serve]
+        env = {**os.environ, "PYTHONPATH": str(code.resolve())}
     if os.cpu_count() and (os.cpu_count() or 1) > 1:
         command = ["taskset", "-c", "0", *command]
     process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -118,11 +133,18 @@ def main() -> int:
         help="extra `kvgate serve` arguments; repeat to run several kvgates side by side, "
         "each with its own (implies --kvgate)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also run a kvgate with its defaults from the checkout at this folder (implies --kvgate)",
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--port", type=int, default=8041)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "gateway" / "cli.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no kvgate sources there (gateway/cli.py)")
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(rate) for rate in args.rates.split(",")]
     rows: list[tuple[str, float, dict[str, Any]]] = []
@@ -138,11 +160,18 @@ def main() -> int:
         backend = f"http://127.0.0.1:{args.port}"
         try:
             targets = [backend]
-            variants = args.kvgate_args or ([""] if args.kvgate else [])
-            for index, variant in enumerate(variants if guard == "none" else []):
+            # (label, extra arguments, sources: None for this checkout)
+            variants: list[tuple[str, str, Path | None]] = [
+                (variant, variant, None) for variant in args.kvgate_args or ([""] if args.kvgate else [])
+            ]
+            if args.baseline is not None:
+                if not variants:  # it implies --kvgate: this checkout's defaults beside it
+                    variants.append(("", "", None))
+                variants.append((f"baseline {args.baseline}", "", args.baseline))
+            for index, (variant, extra_args, code) in enumerate(variants if guard == "none" else []):
                 port = args.port + 1 + index
                 log = args.out / ("kvgate.log" if index == 0 else f"kvgate-{index}.log")
-                kvgates.append(start_kvgate(backend, port, log, variant.split()))
+                kvgates.append(start_kvgate(backend, port, log, extra_args.split(), code))
                 url = f"http://127.0.0.1:{port}"
                 targets.append(url)
                 names[url] = f"kvgate {variant}".strip() if len(variants) > 1 else "kvgate"
