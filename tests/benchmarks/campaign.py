@@ -65,14 +65,21 @@ def start_kvgate(
     first on the path; this environment's installed packages serve both)."""
     serve = ["serve", "--backend", backend, "--port", str(port), *extra]
     command = [str(BIN / "kvgate"), *serve]
-    env = None
+    env = cwd = None
     if code is not None:
+        # Run from there too: `python -m` puts the working folder first on the path.
+        cwd = code.resolve()
         command = [str(BIN / "python"), "-m", "gateway.cli", *serve]
-        env = {**os.environ, "PYTHONPATH": str(code.resolve())}
+        env = {**os.environ, "PYTHONPATH": str(cwd)}
     if os.cpu_count() and (os.cpu_count() or 1) > 1:
         command = ["taskset", "-c", "0", *command]
     process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env
+        command,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+        cwd=cwd,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
