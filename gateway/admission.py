@@ -18,10 +18,10 @@ It blocks the queue (nothing behind it is admitted until it fits, so blocks accu
 as in-flight requests complete) once either bound is reached:
 
 - its deadline: the wait it would have if blocks were held for it from now on (the blocks
-  that must free up before it fits, see below, over the drain rate) reaches `hol_deadline_share` of the time left to its deadline. Holding
-  blocks idle costs the whole queue throughput, so it is done only when the large request
-  would otherwise be late: with a share of one half, a drain twice slower than predicted
-  still lets it in on time;
+  that must free up before it fits, see below, over the drain rate) reaches
+  `hol_deadline_share` of the time left to its deadline. Holding blocks idle costs the whole
+  queue throughput, so it is done only when the large request would otherwise be late: with a
+  share of one half, a drain twice slower than predicted still lets it in on time;
 - its count: it has been overtaken `max_bypass` times, a backstop for when no drain rate is
   known and against bypass without end.
 
