@@ -143,15 +143,19 @@ def main() -> int:
     parser.add_argument(
         "--baseline",
         type=Path,
-        help="also run a kvgate with its defaults from the checkout at this folder (implies --kvgate)",
+        action="append",
+        default=[],
+        help="also run a kvgate with its defaults from the checkout at this folder; repeat for "
+        "several (implies --kvgate)",
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--port", type=int, default=8041)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if args.baseline is not None and not (args.baseline / "gateway" / "cli.py").is_file():
-        parser.error(f"--baseline {args.baseline}: no kvgate sources there (gateway/cli.py)")
+    for baseline in args.baseline:
+        if not (baseline / "gateway" / "cli.py").is_file():
+            parser.error(f"--baseline {baseline}: no kvgate sources there (gateway/cli.py)")
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(rate) for rate in args.rates.split(",")]
     rows: list[tuple[str, float, dict[str, Any]]] = []
@@ -171,10 +175,9 @@ def main() -> int:
             variants: list[tuple[str, str, Path | None]] = [
                 (variant, variant, None) for variant in args.kvgate_args or ([""] if args.kvgate else [])
             ]
-            if args.baseline is not None:
-                if not variants:  # it implies --kvgate: this checkout's defaults beside it
-                    variants.append(("", "", None))
-                variants.append((f"baseline {args.baseline}", "", args.baseline))
+            if args.baseline and not variants:  # it implies --kvgate: this checkout's defaults beside
+                variants.append(("", "", None))
+            variants += [(f"baseline {baseline}", "", baseline) for baseline in args.baseline]
             for index, (variant, extra_args, code) in enumerate(variants if guard == "none" else []):
                 port = args.port + 1 + index
                 log = args.out / ("kvgate.log" if index == 0 else f"kvgate-{index}.log")
