@@ -17,11 +17,11 @@ does not stop smaller requests behind it from being admitted into the blocks tha
 It blocks the queue (nothing behind it is admitted until it fits, so blocks accumulate for it
 as in-flight requests complete) once either bound is reached:
 
-- its deadline: the wait it would have if blocks were held for it from now on (the blocks
-  that must free up before it fits, see below, over the drain rate) reaches
-  `hol_deadline_share` of the time left to its deadline. Holding blocks idle costs the whole
-  queue throughput, so it is done only when the large request would otherwise be late: with a
-  share of one half, a drain twice slower than predicted still lets it in on time;
+- its deadline: the wait it would have if blocks were held for it from now on (its shortfall
+  over the drain rate) reaches `hol_deadline_share` of the time left to its deadline. Holding
+  blocks idle costs the whole queue throughput, so it is done only when the large request
+  would otherwise be late: with a share of one half, a drain twice slower than predicted
+  still lets it in on time;
 - its count: it has been overtaken `max_bypass` times, a backstop for when no drain rate is
   known and against bypass without end.
 
@@ -42,20 +42,12 @@ it, so it held the queue early, 18 small requests behind it were refused 4-6 s a
 arrived, and the large ones were refused at their deadlines anyway (the CPU testbed's Azure
 slice at 3x: 22 late 429s from one such stretch).
 
-Predicted wait: the blocks that must free up before a waiter fits, minus what is free,
-divided by the observed rate at which blocks free up. When that lands past its deadline it is
-shed at once with 429 rather than left to time out; with no rate observed yet nobody is shed
-early. Which blocks must free first depends on the queue's state where the waiter stands:
-
-- blocked (a waiter ahead holds blocks, or overtaking is used up): everything queued ahead of
-  it, plus its own reservation. The queue is served in order behind the holder.
-- open: for a waiter already queued, the waiters ahead of it no larger than itself, plus its
-  own reservation; larger ones ahead are overtaken when it fits first. An arrival is
-  predicted in order and its prediction corrected for its size by an optional `WaitScale`,
-  learned from how long arrivals of its size really waited.
-
-Judging queued waiters by the in-order wait while the queue is open refused small requests
-seconds after they arrived, for large ones ahead that they would have overtaken.
+Predicted wait: the blocks that must free up before a waiter fits (everything still queued
+ahead of it, plus its own reservation, minus what is free) divided by the observed rate at
+which blocks free up. When that lands past its deadline it is shed at once with 429 rather
+than left to time out; with no rate observed yet nobody is shed early. That prediction holds
+for a queue served in order; bypassing makes small requests wait less and large ones more, and
+an optional `WaitScale` corrects an arrival's prediction for its size.
 
 Two deadlines per request: `deadline_at`, past which the client no longer waits (it is shed
 then, or as soon as that is predicted), and `objective_at`, when it wants its first token. The
@@ -70,9 +62,8 @@ a late first token is better than a late 429.
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -197,14 +188,11 @@ class WaitScale(Protocol):
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """What an arriving waiter that stays was predicted to wait: `wait_s`, the prediction its
-    early shedding weighed, and `in_order_s`, the same before any correction for its size.
-    `blocked`: it arrived behind a blocked queue, so no correction applied, and its wait
-    teaches the correction nothing (it was learned for an open queue)."""
+    early shedding weighed, and `in_order_s`, the same before any correction for its size."""
 
     key: int
     wait_s: float
     in_order_s: float
-    blocked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +275,6 @@ class AdmissionPolicy:
 
         free = budget.free_blocks
         ahead = 0  # blocks of the waiters ahead that stay queued
-        no_larger_ahead = _BlocksBySize(waiter.ask.reserve_blocks for waiter in waiters)
         # How many more admissions may still overtake the waiters that stay: the smallest
         # allowance left among them. At zero the queue is blocked behind them.
         allowance = math.inf
@@ -304,25 +291,14 @@ class AdmissionPolicy:
                 free -= ask.reserve_blocks
                 allowance -= 1
                 continue
-            blocked = allowance <= 0
             shortfall = ahead + ask.reserve_blocks - free
-            # Seconds until it fits in a queue served in order; None: no rate known.
-            in_order_s = _wait_s(shortfall, drain_rate)
-            # Seconds until it fits were blocks held for it from now on. Behind a blocked queue
-            # everything ahead goes first; in an open one only the waiters ahead no larger than
-            # it, since it overtakes the others once it fits.
-            held_wait_s = in_order_s
-            if not blocked:
-                held_wait_s = _wait_s(
-                    no_larger_ahead.up_to(ask.reserve_blocks) + ask.reserve_blocks - free, drain_rate
-                )
-            # An arrival is judged by the in-order wait corrected for its size, which is what
-            # the correction learned from; a waiter already queued by its wait for held blocks.
+            # Seconds until it fits if blocks were held for it from now; None: no rate known.
+            held_wait_s = _wait_s(shortfall, drain_rate)
+            # An arrival's wait, corrected for its size; waiters already queued are judged by
+            # the in-order wait alone (the correction was learned on arrivals' whole waits).
             predicted_s = held_wait_s
-            if waiter.arriving and in_order_s is not None:
-                predicted_s = in_order_s
-                if scale is not None and not blocked:
-                    predicted_s = in_order_s * scale.factor(ask.reserve_blocks, budget.pool_limit_blocks)
+            if held_wait_s is not None and scale is not None and waiter.arriving:
+                predicted_s = held_wait_s * scale.factor(ask.reserve_blocks, budget.pool_limit_blocks)
             if self.config.early_shed and predicted_s is not None:
                 ready_at = now + predicted_s
                 reason = None
@@ -341,7 +317,7 @@ class AdmissionPolicy:
             # Its deadline needs the blocks: hold them for it from now on, unless that costs
             # the waiters behind it more than it brings.
             holds = False
-            if not blocked and held_wait_s is not None and drain_rate is not None:
+            if allowance > 0 and held_wait_s is not None and drain_rate is not None:
                 holds = held_wait_s >= self.config.hol_deadline_share * (ask.deadline_at - now)
                 behind = waiters[position + 1 :]
                 if (
@@ -358,10 +334,9 @@ class AdmissionPolicy:
                     shed.append((waiter.key, decision))
                     continue
             ahead += ask.reserve_blocks
-            no_larger_ahead.add(ask.reserve_blocks)
             staying.append((waiter.key, len(admit)))
-            if waiter.arriving and predicted_s is not None and in_order_s is not None:
-                predicted.append(Prediction(waiter.key, predicted_s, in_order_s, blocked))
+            if waiter.arriving and predicted_s is not None and held_wait_s is not None:
+                predicted.append(Prediction(waiter.key, predicted_s, held_wait_s))
             allowance = min(allowance, max(0, self.config.max_bypass - waiter.bypassed))
             if holds:
                 allowance = 0
@@ -399,29 +374,6 @@ def _blocks_a_hold_would_cost(
             continue
         ahead += ask.reserve_blocks
     return lost
-
-
-class _BlocksBySize:
-    """Blocks added so far, summed by size, to ask how many of them came from requests no
-    larger than a given one (a Fenwick tree over the sizes one plan can meet)."""
-
-    def __init__(self, sizes: Iterable[int]) -> None:
-        self._sizes = sorted(set(sizes))
-        self._tree = [0] * (len(self._sizes) + 1)
-
-    def add(self, blocks: int) -> None:
-        index = bisect.bisect_left(self._sizes, blocks) + 1
-        while index < len(self._tree):
-            self._tree[index] += blocks
-            index += index & -index
-
-    def up_to(self, blocks: int) -> int:
-        index = bisect.bisect_right(self._sizes, blocks)
-        total = 0
-        while index > 0:
-            total += self._tree[index]
-            index -= index & -index
-        return total
 
 
 def queue_order_key(priority: Priority, sequence: int) -> tuple[int, int]:

@@ -188,8 +188,7 @@ class WaitCalibration:
     is not thrown by tiny predictions. A class answers 1 until `min_samples` are in. The real
     waits are those of requests admitted from the queue, and of requests still queued at their
     deadlines (a lower bound of what they would have waited): leaving these out would teach
-    that large requests always make it. Arrivals that find the queue blocked are neither
-    corrected nor learned from: nothing overtakes there, and the in-order wait is the answer.
+    that large requests always make it.
     """
 
     def __init__(

@@ -50,8 +50,7 @@ class QueueEntry:
     entered_at: float
     resolved_at: float | None = None
     # Seconds the policy predicted it would wait, in its first plan (None: admitted or shed
-    # then, or no drain rate known), and the same before the correction for its size (None
-    # too when it arrived behind a blocked queue, where no correction applies).
+    # then, or no drain rate known), and the same before the correction for its size.
     predicted_wait_s: float | None = None
     in_order_wait_s: float | None = None
 
@@ -231,9 +230,7 @@ class WaitQueue:
         for prediction in plan.predicted:
             predicted = self._find(prediction.key)
             predicted.predicted_wait_s = prediction.wait_s
-            # Behind a blocked queue the in-order wait is the prediction itself: it has no
-            # size correction to check.
-            predicted.in_order_wait_s = None if prediction.blocked else prediction.in_order_s
+            predicted.in_order_wait_s = prediction.in_order_s
         for key in self._fresh:
             if (seen := self._find_waiting(key)) is not None:
                 seen.waiter = replace(seen.waiter, arriving=False, strict=False)
