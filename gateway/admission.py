@@ -33,15 +33,6 @@ at the head so long that everything behind them was predicted to wait, and refus
 Bypassing crosses priority classes the same way (a low request may fill blocks a high one
 cannot use yet, within the same bounds).
 
-Holding is weighed before it starts. Blocks held for one waiter are blocks the waiters behind
-it cannot have: when, at the moment a waiter's deadline starts to need them, the waiters of
-its priority already behind it that the hold would push past their deadlines reserve more
-blocks than it does, it is shed (429) instead. Without this, a few large prompts queued back
-to back blocked the queue one after another: the last one's wait counts the others ahead of
-it, so it held the queue early, 18 small requests behind it were refused 4-6 s after they
-arrived, and the large ones were refused at their deadlines anyway (the CPU testbed's Azure
-slice at 3x: 22 late 429s from one such stretch).
-
 Predicted wait: the blocks that must free up before a waiter fits (everything still queued
 ahead of it, plus its own reservation, minus what is free) divided by the observed rate at
 which blocks free up. When that lands past its deadline it is shed at once with 429 rather
@@ -280,7 +271,7 @@ class AdmissionPolicy:
         allowance = math.inf
         staying: list[tuple[int, int]] = []  # (key, admissions so far when it stayed)
         predicted: list[Prediction] = []
-        for position, waiter in enumerate(waiters):
+        for waiter in waiters:
             ask = waiter.ask
             if now >= ask.deadline_at:
                 wait_s = retry.after(ahead + ask.reserve_blocks - free, drain_rate)
@@ -293,7 +284,9 @@ class AdmissionPolicy:
                 continue
             shortfall = ahead + ask.reserve_blocks - free
             # Seconds until it fits if blocks were held for it from now; None: no rate known.
-            held_wait_s = _wait_s(shortfall, drain_rate)
+            held_wait_s = (
+                max(0, shortfall) / drain_rate if drain_rate is not None and drain_rate > 0 else None
+            )
             # An arrival's wait, corrected for its size; waiters already queued are judged by
             # the in-order wait alone (the correction was learned on arrivals' whole waits).
             predicted_s = held_wait_s
@@ -314,66 +307,20 @@ class AdmissionPolicy:
                         (waiter.key, Decision(DecisionKind.SHED, reason, retry.after(shortfall, drain_rate)))
                     )
                     continue
-            # Its deadline needs the blocks: hold them for it from now on, unless that costs
-            # the waiters behind it more than it brings.
-            holds = False
-            if allowance > 0 and held_wait_s is not None and drain_rate is not None:
-                holds = held_wait_s >= self.config.hol_deadline_share * (ask.deadline_at - now)
-                behind = waiters[position + 1 :]
-                if (
-                    holds
-                    and self.config.early_shed
-                    and _blocks_a_hold_would_cost(
-                        waiter, behind, ahead + ask.reserve_blocks, free, drain_rate, now
-                    )
-                    > ask.reserve_blocks
-                ):
-                    decision = Decision(
-                        DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, retry.after(shortfall, drain_rate)
-                    )
-                    shed.append((waiter.key, decision))
-                    continue
             ahead += ask.reserve_blocks
             staying.append((waiter.key, len(admit)))
             if waiter.arriving and predicted_s is not None and held_wait_s is not None:
                 predicted.append(Prediction(waiter.key, predicted_s, held_wait_s))
             allowance = min(allowance, max(0, self.config.max_bypass - waiter.bypassed))
-            if holds:
-                allowance = 0
+            if held_wait_s is not None and held_wait_s >= self.config.hol_deadline_share * (
+                ask.deadline_at - now
+            ):
+                allowance = 0  # its deadline needs the blocks: hold them for it from now on
         bypassed = tuple((key, len(admit) - before) for key, before in staying if len(admit) > before)
         return Plan(tuple(admit), tuple(shed), bypassed, tuple(predicted))
 
     def retry_after(self, blocks_to_free: float, drain_rate: float | None) -> float:
         return self.config.retry.after(blocks_to_free, drain_rate)
-
-
-def _wait_s(blocks_to_free: int, drain_rate: float | None) -> float | None:
-    """Seconds until `blocks_to_free` more blocks are free; None: no drain rate known."""
-    if drain_rate is None or drain_rate <= 0:
-        return None
-    return max(0, blocks_to_free) / drain_rate
-
-
-def _blocks_a_hold_would_cost(
-    holder: Waiter, behind: Sequence[Waiter], blocked_ahead: int, free: int, drain_rate: float, now: float
-) -> int:
-    """The blocks reserved by the waiters of the holder's priority behind it that holding the
-    queue for it would push past their deadlines. Behind a hold the queue is served in order:
-    each waits for `blocked_ahead` (everything ahead of it up to the holder, the holder
-    included) and for those between that would still make it. Lower priorities wait behind a
-    higher one whatever it costs them."""
-    lost = 0
-    ahead = blocked_ahead
-    for waiter in behind:
-        ask = waiter.ask
-        if now >= ask.deadline_at:
-            continue
-        if now + max(0, ahead + ask.reserve_blocks - free) / drain_rate > ask.deadline_at:
-            if ask.priority is holder.ask.priority:
-                lost += ask.reserve_blocks
-            continue
-        ahead += ask.reserve_blocks
-    return lost
 
 
 def queue_order_key(priority: Priority, sequence: int) -> tuple[int, int]:

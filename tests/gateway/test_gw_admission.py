@@ -172,51 +172,6 @@ def test_a_big_head_blocks_the_queue_once_its_deadline_needs_the_blocks() -> Non
     assert policy.plan(queue, budget(10), None, now=6.0).admit == (1,)
 
 
-def test_a_hold_that_would_cost_the_waiters_behind_more_than_it_brings_sheds_the_holder() -> None:
-    policy = AdmissionPolicy(replace(CONFIG, max_bypass=1000, hol_deadline_share=0.5))
-    # The head is 20 blocks short at 10 blocks/s: 2 s, half of the 4 s it has left, so its
-    # deadline needs the blocks now. A small waiter of 12 blocks behind it, 3 s from its
-    # deadline, would then wait 2 s and its own 1.2 s: too late.
-    head = ask(30, deadline=4.0)
-
-    def small(priority: Priority = Priority.NORMAL) -> Ask:
-        return ask(12, priority=priority, deadline=3.0)
-
-    # One small waiter (12 blocks lost) is worth less than the head (30): the head holds, and
-    # the small one, now behind a blocked queue, is refused.
-    one = policy.plan(waiters(head, small()), budget(10), 10.0, now=0.0)
-    assert [(key, d.reason) for key, d in one.shed] == [(1, Reason.DEADLINE_UNREACHABLE)]
-    # Three (36 blocks) are worth more: the head is refused, with the drain-based hint, and
-    # the three stay, served as their own blocks free (0.2, 1.4 and 2.6 s).
-    three = policy.plan(waiters(head, small(), small(), small()), budget(10), 10.0, now=0.0)
-    ((key, decision),) = three.shed
-    assert (key, decision.reason) == (0, Reason.DEADLINE_UNREACHABLE)
-    assert decision.retry_after_s == pytest.approx(2.0)
-    # Lower priorities wait behind a higher one whatever it costs them.
-    low = small(Priority.LOW)
-    assert [key for key, _ in policy.plan(waiters(head, low, low, low), budget(10), 10.0, now=0.0).shed] == [
-        1,
-        2,
-        3,
-    ]
-    # Behind a hold the queue is served in order, so the waiters between count too: a patient
-    # 10-block one, then eight of 5 blocks 3.6 s from their deadlines. The first of these
-    # would be served at (30 + 10 + 5 - 10) / 10 = 3.5 s; the seven after it at 4 s or later,
-    # too late: 35 blocks lost, more than the head's 30.
-    crowd = [head, ask(10, deadline=100.0)] + [ask(5, deadline=3.6)] * 8
-    crowded = policy.plan(waiters(*crowd), budget(10), 10.0, now=0.0)
-    assert crowded.shed[0][0] == 0
-    assert crowded.admit == (1,)  # the queue open again, the 10-block one fits at once
-    # With one of the eight fewer (30 lost, not more than 30) the head holds instead, and
-    # those six are refused.
-    held = policy.plan(waiters(*crowd[:-1]), budget(10), 10.0, now=0.0)
-    assert held.admit == ()
-    assert [key for key, _ in held.shed] == [3, 4, 5, 6, 7, 8]
-    # Without early shedding nobody is refused on a prediction: the head holds.
-    quiet = AdmissionPolicy(replace(policy.config, early_shed=False))
-    assert quiet.plan(waiters(head, small(), small(), small()), budget(10), 10.0, now=0.0).shed == ()
-
-
 def test_zero_deadline_share_blocks_at_once() -> None:
     policy = AdmissionPolicy(replace(CONFIG, max_bypass=1000, hol_deadline_share=0.0))
     plan = policy.plan(waiters(ask(30, deadline=10.0), ask(5)), budget(20), drain_rate=10.0, now=0.0)
