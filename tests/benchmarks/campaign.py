@@ -61,16 +61,15 @@ def pick(summary: dict[str, Any], key: str | tuple[str, str]) -> Any:
 def start_kvgate(
     backend: str, port: int, log: Path, extra: list[str], code: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start `kvgate serve`, from this checkout or, with `code`, from the sources there (found
-    first on the path; this environment's installed packages serve both)."""
+    """Start `kvgate serve`, from this checkout or, with `code`, from the sources there (this
+    environment's installed packages serve both)."""
     serve = ["serve", "--backend", backend, "--port", str(port), *extra]
     command = [str(BIN / "kvgate"), *serve]
-    env = cwd = None
+    cwd = None
     if code is not None:
-        # Run from there too: `python -m` puts the working folder first on the path.
+        # `python -m` puts its working folder first on the path, before the installed checkout.
         cwd = code.resolve()
         command = [str(BIN / "python"), "-m", "gateway.cli", *serve]
-        env = {**os.environ, "PYTHONPATH": str(cwd)}
     if os.cpu_count() and (os.cpu_count() or 1) > 1:
         command = ["taskset", "-c", "0", *command]
     process = subprocess.Popen(
@@ -78,7 +77,6 @@ def start_kvgate(
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env=env,
         cwd=cwd,
     )
     url = f"http://127.0.0.1:{port}"
@@ -172,11 +170,8 @@ def main() -> int:
         try:
             targets = [backend]
             # (label, extra arguments, sources: None for this checkout)
-            variants: list[tuple[str, str, Path | None]] = [
-                (variant, variant, None) for variant in args.kvgate_args or ([""] if args.kvgate else [])
-            ]
-            if args.baseline and not variants:  # it implies --kvgate: this checkout's defaults beside
-                variants.append(("", "", None))
+            kvgate_args = args.kvgate_args or ([""] if args.kvgate or args.baseline else [])
+            variants: list[tuple[str, str, Path | None]] = [(extra, extra, None) for extra in kvgate_args]
             variants += [(f"baseline {baseline}", "", baseline) for baseline in args.baseline]
             for index, (variant, extra_args, code) in enumerate(variants if guard == "none" else []):
                 port = args.port + 1 + index
