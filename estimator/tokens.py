@@ -318,6 +318,10 @@ class TokenCounter:
         else:
             self._content_format = content_format
         self._has_template = isinstance(template, str) and bool(template)
+        # The largest token id the model knows: vLLM refuses a prompt with a larger one.
+        vocab = getattr(tokenizer, "get_vocab", None)
+        ids = vocab().values() if callable(vocab) else ()
+        self._max_token_id: int | None = max(ids, default=None)
 
     @classmethod
     def from_pretrained(
@@ -449,8 +453,9 @@ class TokenCounter:
         add_special_tokens = _expect_bool(body, "add_special_tokens", True)
         counts: list[int] = []
         exact = True
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             if isinstance(prompt, list):
+                self._check_token_ids(prompt, "prompt" if len(prompts) == 1 else f"prompt[{index}]")
                 counts.append(len(prompt))
             elif self._tokenizer is None:
                 counts.append(max(1, math.ceil(len(prompt.encode()) / APPROX_BYTES_PER_TOKEN)))
@@ -459,6 +464,17 @@ class TokenCounter:
                 with self._lock:
                     counts.append(len(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens)))
         return tuple(counts), exact
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        lowest, highest = min(ids), max(ids)
+        if lowest < 0:
+            raise RequestBodyError(f"'{param}' holds a negative token id ({lowest})", param)
+        if self._max_token_id is not None and highest > self._max_token_id:
+            raise RequestBodyError(
+                f"'{param}' holds token id {highest}, beyond the model's vocabulary "
+                f"(the largest id is {self._max_token_id})",
+                param,
+            )
 
     @staticmethod
     def _split_prompts(prompt: Any) -> Sequence[str | list[int]]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from estimator.tokens import RequestBodyError, Route, TokenCounter, detect_content_format
 
@@ -64,6 +65,8 @@ BAD_BODIES: list[tuple[Route, Any, str | None]] = [
     (Route.COMPLETIONS, {"prompt": ["ok", 3]}, "prompt[1]"),
     (Route.COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt[1]"),
     (Route.COMPLETIONS, {"prompt": [True, False]}, "prompt[0]"),
+    (Route.COMPLETIONS, {"prompt": [224, -19547, 1030]}, "prompt"),
+    (Route.COMPLETIONS, {"prompt": ["ok", [5, -1]]}, "prompt[1]"),
     (Route.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
 ]
 
@@ -95,6 +98,16 @@ def test_token_ids_and_several_prompts(counter: TokenCounter) -> None:
     assert count.per_prompt[1] == 4
     assert count.tokens == sum(count.per_prompt)
     assert count.longest == max(count.per_prompt)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(counter: TokenCounter, tiny_model_dir: Path) -> None:
+    largest = max(AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab().values())
+    assert counter.count(Route.COMPLETIONS, {"prompt": [0, largest]}).tokens == 2
+    with pytest.raises(RequestBodyError, match=f"token id {largest + 1}, beyond") as error:
+        counter.count(Route.COMPLETIONS, {"prompt": [1, largest + 1]})
+    assert error.value.param == "prompt"
+    # Without the tokenizer there is no vocabulary to hold them to.
+    assert TokenCounter.approximate().count(Route.COMPLETIONS, {"prompt": [largest + 1]}).tokens == 1
 
 
 def test_truncation_keeps_the_limit(counter: TokenCounter) -> None:

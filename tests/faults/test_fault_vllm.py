@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from faultkit import Served, gateway_idle, kvgate_process, poll_until, served_gateway, sse_events
+from transformers import AutoTokenizer
 
 from estimator.tokens import TokenCounter
 
@@ -58,6 +59,24 @@ def test_bad_input_against_vllm_is_a_4xx(kvgate: Served, body: dict[str, Any], s
     assert response.status_code == status, response.text[:300]
     error = response.json()["error"]
     assert error["message"]
+
+
+def test_token_ids_are_held_to_the_vocabulary_vllm_holds_them_to(
+    kvgate: Served, vllm_url: str, tiny_model_dir: Path
+) -> None:
+    # kvgate refuses what vLLM would refuse, before queueing it, and lets through what vLLM takes.
+    largest = max(AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab().values())
+    for ids, status in (([1, largest], 200), ([1, largest + 1], 400)):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 2}
+        direct = httpx.post(f"{vllm_url}/v1/completions", json=body, timeout=60)
+        relayed = httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=60)
+        assert (direct.status_code, relayed.status_code) == (status, status), (direct.text, relayed.text)
+    negative = httpx.post(
+        f"{kvgate.url}/v1/completions", json={"model": MODEL, "prompt": [1, -3]}, timeout=60
+    )
+    assert negative.status_code == 400
+    assert negative.json()["error"]["param"] == "prompt"
+    kvgate.wait_until(gateway_idle, what="the ledger to balance")
 
 
 def test_fields_pass_through_to_vllm(kvgate: Served) -> None:
