@@ -99,6 +99,19 @@ BACKEND_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event with the fields the HTML specification gives it.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
+
+
 def _generation_operation(summary: str, body_model: type[BaseModel]) -> dict[str, Any]:
     return {
         "summary": summary,
@@ -125,7 +138,10 @@ def _generation_operation(summary: str, body_model: type[BaseModel]) -> dict[str
                 "description": "The backend's answer, relayed byte for byte",
                 "content": {
                     "application/json": {"schema": {"type": "object"}},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    # One event of the stream, as OpenAPI models server-sent events (on 3.0
+                    # and 3.1 the schema of a text/event-stream stands for each event): the
+                    # backend's chunks, as JSON in `data`, then `data: [DONE]`.
+                    "text/event-stream": {"schema": SSE_EVENT},
                 },
             },
             **GENERATION_ERRORS,
