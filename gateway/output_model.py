@@ -5,8 +5,14 @@ over-reservation PagedAttention removed. The model keeps a sliding window of the
 lengths (per sequence) of finished requests under a hierarchy of keys, most specific first:
 (model, route, tenant), (model, route), (model). A prediction uses the most specific key that
 has `min_samples` observations and answers the configured quantile of its window, capped by
-the request's own cap. With too few samples anywhere it answers the cap itself: conservative
-until it knows better.
+the request's own cap. With too few samples anywhere it answers the backend's own figure when
+there is one (below), else the cap itself: conservative until it knows better.
+
+A gateway that restarts in front of a vLLM that has been serving need not start from the cap:
+vLLM exports the histogram of the output lengths it has produced
+(`vllm:request_generation_tokens`). `quantile_from_buckets` reads the quantile off it, rounded
+up to the bound of its bucket (the buckets are coarse: 1, 2, 5, 10, 20, 50, 100, ...), and the
+model answers that, capped, for any key that has not seen `min_samples` answers of its own.
 
 Quantiles come from a sorted copy of the window kept alongside it (bisect insert and remove,
 O(window) per observation, O(1) per prediction): predictions are on every request's path,
@@ -25,14 +31,15 @@ import bisect
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 
 class PredictionSource(StrEnum):
     LEARNED = "learned"
-    COLD = "cold"  # too few samples: the cap
+    BACKEND = "backend"  # too few samples here: the backend's histogram
+    COLD = "cold"  # too few samples anywhere: the cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +138,24 @@ class _Window:
         return self.ordered[rank - 1]
 
 
+def quantile_from_buckets(
+    buckets: Sequence[tuple[float, float]], quantile: float, min_samples: int
+) -> tuple[int, int] | None:
+    """The `quantile` of a Prometheus histogram given as (upper bound, cumulative count) by
+    increasing bound, rounded up to its bucket's bound, with the number of observations: None
+    with fewer than `min_samples` of them or when the quantile lies in the +inf bucket."""
+    if not buckets:
+        return None
+    total = buckets[-1][1]
+    if total < min_samples:
+        return None
+    rank = max(1.0, math.ceil(quantile * total))
+    for bound, cumulative in buckets:
+        if cumulative >= rank:
+            return (math.ceil(bound), int(total)) if math.isfinite(bound) else None
+    return None
+
+
 class OutputLengthModel:
     """Online completion-length distribution. Not thread-safe: one event loop owns it."""
 
@@ -144,6 +169,8 @@ class OutputLengthModel:
         self._window = window
         self._max_keys = max_keys
         self._windows: OrderedDict[OutputKey, _Window] = OrderedDict()
+        # (tokens, observations) from the backend's histogram; None: none usable.
+        self.backend_prior: tuple[int, int] | None = None
 
     def predict(self, key: OutputKey, cap: int) -> OutputPrediction:
         """Output tokens to reserve per sequence, at most `cap`."""
@@ -152,7 +179,15 @@ class OutputLengthModel:
             if window is not None and len(window.arrival) >= self.min_samples:
                 tokens = min(cap, window.quantile(self.quantile))
                 return OutputPrediction(tokens, PredictionSource.LEARNED, len(window.arrival), candidate)
+        if self.backend_prior is not None:
+            tokens, samples = self.backend_prior
+            return OutputPrediction(min(cap, tokens), PredictionSource.BACKEND, samples, None)
         return OutputPrediction(cap, PredictionSource.COLD, 0, None)
+
+    def observe_backend(self, buckets: Sequence[tuple[float, float]]) -> None:
+        """Take the backend's output-length histogram (see `quantile_from_buckets`); one that
+        is too thin or whose quantile is unbounded leaves no prior."""
+        self.backend_prior = quantile_from_buckets(buckets, self.quantile, self.min_samples)
 
     def distribution(self, key: OutputKey) -> OutputDistribution | None:
         """The learned lengths behind `predict(key, ...)`, or None while it answers the cap."""

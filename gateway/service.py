@@ -366,8 +366,14 @@ class BackendGateway:
     def _on_scrape(self, reconciliation: Reconciliation | None) -> None:
         if reconciliation is None:
             self.metrics.scrape_failures.labels(self.name).inc()
-        elif reconciliation.preemptions > 0:
-            self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
+        else:
+            if reconciliation.preemptions > 0:
+                self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
+            if self.budget.reading is not None and self.settings.output_backend_prior:
+                # What the backend's answers ran to: the reservation until kvgate has its own.
+                self.output_model.observe_backend(self.budget.reading.output_length_buckets)
+            else:
+                self.output_model.backend_prior = None
         self.queue.pump()
 
     # -- state ----------------------------------------------------------------------------
@@ -543,6 +549,11 @@ class BackendGateway:
                 "quantile": self.output_model.quantile,
                 "min_samples": self.output_model.min_samples,
                 "keys": self.output_model.describe(),
+                "backend_prior": (
+                    None
+                    if self.output_model.backend_prior is None
+                    else dict(zip(("tokens", "samples"), self.output_model.backend_prior, strict=True))
+                ),
             },
             "recent": self.recent.describe(now),
         }

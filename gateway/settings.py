@@ -160,6 +160,10 @@ class Settings(BaseSettings):
     output_quantile: float = Field(DEFAULT_OUTPUT_QUANTILE, gt=0, le=1)
     output_min_samples: int = Field(DEFAULT_OUTPUT_MIN_SAMPLES, ge=1)
     output_window_samples: int = Field(DEFAULT_OUTPUT_WINDOW_SAMPLES, ge=1)
+    # Until a model has output_min_samples answers of its own, reserve the output_quantile of
+    # the backend's histogram of output lengths (vllm:request_generation_tokens) rather than
+    # the cap, once that histogram holds output_min_samples answers (see gateway.output_model).
+    output_backend_prior: bool = True
 
     # Queue (decide).
     queue_max_high: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
@@ -299,6 +303,7 @@ RELOADABLE_SETTINGS = frozenset(
         "aimd_quiet_s",
         "aimd_decrease_cooldown_s",
         "output_quantile",
+        "output_backend_prior",
         "queue_max_high",
         "queue_max_normal",
         "queue_max_low",

@@ -13,6 +13,7 @@ fragmented), good enough for a budget that the closed loop corrects.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ class VllmMetric(StrEnum):
     # The sample count of the per-step token histogram: one per engine step, whatever the step
     # did (a prefill chunk or a decode). It moves whenever vLLM works on anything.
     ENGINE_STEPS = "vllm:iteration_tokens_total_count"
+    # The cumulative buckets of the histogram of finished requests' output lengths (one
+    # observation per sequence): what the backend has seen answers run to, before kvgate has.
+    GENERATION_TOKENS = "vllm:request_generation_tokens_bucket"
 
 
 # Every name a quantity has been exported under, newest first. vLLM's V0 engine called the KV
@@ -42,6 +46,7 @@ METRIC_NAMES: Mapping[VllmMetric, tuple[str, ...]] = {
     VllmMetric.PREEMPTIONS: ("vllm:num_preemptions_total", "vllm:num_preemptions"),
     VllmMetric.CACHE_CONFIG: ("vllm:cache_config_info",),
     VllmMetric.ENGINE_STEPS: ("vllm:iteration_tokens_total_count",),
+    VllmMetric.GENERATION_TOKENS: ("vllm:request_generation_tokens_bucket",),
 }
 
 _CANONICAL: Mapping[str, VllmMetric] = {
@@ -97,6 +102,9 @@ class BackendReading:
     # A digest of the whole scrape, set by whoever read the text (None: not known). Two equal
     # digests mean nothing at all changed in between, not even vLLM's process metrics.
     digest: float | None = None
+    # (upper bound, cumulative count) of the output-length histogram, summed over engines and
+    # model names, by increasing bound, the last one +inf; empty when not exported.
+    output_length_buckets: tuple[tuple[float, float], ...] = ()
 
     @property
     def usage(self) -> float:
@@ -160,6 +168,8 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
     preemption_rank = 1 << 30
     preemption_by_rank: dict[int, float] = {}
     steps: float | None = None
+    output_lengths: dict[float, float] = {}
+    output_lengths_spoiled = False
 
     for sample in samples:
         metric = _CANONICAL.get(sample.name)
@@ -190,6 +200,13 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
             preemption_rank = min(preemption_rank, rank)
         elif metric is VllmMetric.ENGINE_STEPS:
             steps = (steps or 0.0) + _finite(sample.value, sample.name)
+        elif metric is VllmMetric.GENERATION_TOKENS:
+            # A hint, not part of the budget: a bad sample spoils the histogram, not the scrape.
+            bound = _bucket_bound(sample.labels.get("le"))
+            if bound is None or not math.isfinite(sample.value) or sample.value < 0:
+                output_lengths_spoiled = True
+            else:
+                output_lengths[bound] = output_lengths.get(bound, 0.0) + sample.value
 
     if preemption_by_rank:
         preemptions = preemption_by_rank[preemption_rank]
@@ -230,4 +247,28 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
         engines=len(configured),
         prefix_caching=prefix_flags.pop() if len(prefix_flags) == 1 else None,
         engine_steps_total=steps,
+        output_length_buckets=() if output_lengths_spoiled else _cumulative(output_lengths),
     )
+
+
+def _bucket_bound(raw: str | None) -> float | None:
+    """A histogram bucket's `le` label as a number (None when missing or not a number)."""
+    if raw is None:
+        return None
+    try:
+        bound = float(raw)
+    except ValueError:
+        return None
+    return None if math.isnan(bound) else bound
+
+
+def _cumulative(counts: Mapping[float, float]) -> tuple[tuple[float, float], ...]:
+    """The buckets by increasing bound, or none at all when they do not form a histogram
+    (no +inf bucket, or counts that fall as the bound grows: engines exporting different
+    bounds). The histogram is a hint for a cold start; a doubtful one is dropped, not fixed."""
+    ordered = tuple(sorted(counts.items()))
+    if not ordered or ordered[-1][0] != math.inf:
+        return ()
+    if any(later < earlier for (_, earlier), (_, later) in itertools.pairwise(ordered)):
+        return ()
+    return ordered

@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import pytest
 from conftest import InProcess, gateway_over_sim, ledger_is_empty, wait_until
 
@@ -72,6 +73,26 @@ async def test_output_model_learns_and_shrinks_reservations() -> None:
         assert 'kvgate_output_prediction_error_tokens_count{backend="default"} 5.0' in errors
         # The learned request outgrew its reservation: counted, and the ledger still balanced.
         assert 'kvgate_output_reservation_exceeded_total{backend="default"} 1.0' in errors
+        assert ledger_is_empty(harness.gateway)
+
+
+async def test_a_gateway_started_before_a_busy_backend_reserves_what_its_answers_ran_to() -> None:
+    async with gateway_over_sim(output_min_samples=3, output_quantile=0.9) as harness:
+        request = {**COMPLETION, "prompt": "x", "max_tokens": 100}
+        # Traffic that reached vLLM before this gateway did: three answers of 5 tokens.
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(harness.sim), base_url="http://sim"
+        ) as direct:
+            for _ in range(3):
+                assert (await direct.post("/v1/completions", json={**request, "max_tokens": 5})).is_success
+        await wait_until(lambda: harness.gateway.output_model.backend_prior is not None, what="a scrape")
+        # Its first request reserves the backend's p90 (5 tokens: one block), not the cap (4).
+        first = await harness.client.post("/v1/completions", json=request)
+        assert first.status_code == 200
+        assert first.headers["x-kvgate-blocks"] == "1"
+        state = (await harness.client.get("/admin/state")).json()
+        [backend] = state["backends"]
+        assert backend["output_model"]["backend_prior"] == {"tokens": 5, "samples": 3}
         assert ledger_is_empty(harness.gateway)
 
 

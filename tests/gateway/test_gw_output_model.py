@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.output_model import OutputDistribution, OutputKey, OutputLengthModel, PredictionSource
+from gateway.output_model import (
+    OutputDistribution,
+    OutputKey,
+    OutputLengthModel,
+    PredictionSource,
+    quantile_from_buckets,
+)
 
 CHAT = OutputKey("m", "chat")
 
@@ -131,3 +137,48 @@ def test_distribution_follows_the_window_and_is_rebuilt_only_after_enough_change
     assert variance > 0
     # A coarser key answers when the specific one has too few samples, as predict does.
     assert m.distribution(OutputKey("m", "chat", "tenant-a")) is rebuilt
+
+
+BUSY = ((1.0, 235.0), (2.0, 246.0), (5.0, 250.0), (50.0, 303.0), (500.0, 311.0), (float("inf"), 311.0))
+
+
+@pytest.mark.parametrize(
+    ("buckets", "quantile", "min_samples", "expected"),
+    [
+        pytest.param(BUSY, 0.9, 20, (50, 311), id="rounded-up-to-its-bucket"),
+        pytest.param(BUSY, 0.5, 20, (1, 311), id="median"),
+        pytest.param(BUSY, 1.0, 20, (500, 311), id="all-of-them"),
+        pytest.param(BUSY, 0.9, 312, None, id="too-few-observations"),
+        pytest.param(((10.0, 1.0), (float("inf"), 10.0)), 0.9, 5, None, id="beyond-the-last-bound"),
+        pytest.param((), 0.9, 1, None, id="no-histogram"),
+    ],
+)
+def test_quantile_from_buckets(
+    buckets: tuple[tuple[float, float], ...],
+    quantile: float,
+    min_samples: int,
+    expected: tuple[int, int] | None,
+) -> None:
+    assert quantile_from_buckets(buckets, quantile, min_samples) == expected
+
+
+def test_the_backend_histogram_stands_in_until_the_model_has_its_own_samples() -> None:
+    m = model(min_samples=3)
+    m.observe_backend(((10.0, 2.0), (100.0, 9.0), (float("inf"), 10.0)))
+    prediction = m.predict(CHAT, cap=512)
+    assert (prediction.tokens, prediction.source, prediction.samples) == (100, PredictionSource.BACKEND, 10)
+    assert m.predict(CHAT, cap=40).tokens == 40  # still capped by the request
+    for tokens in (7, 8, 9):
+        m.observe(CHAT, tokens)
+    learned = m.predict(CHAT, cap=512)
+    assert (learned.tokens, learned.source) == (9, PredictionSource.LEARNED)
+    # Another route has none of its own yet: the backend's figure again.
+    assert m.predict(OutputKey("other", "chat"), cap=512).source is PredictionSource.BACKEND
+
+
+def test_a_histogram_that_no_longer_says_enough_leaves_the_cap() -> None:
+    m = model(min_samples=3)
+    m.observe_backend(((10.0, 2.0), (100.0, 9.0), (float("inf"), 10.0)))
+    m.observe_backend(())  # vLLM restarted, or stopped exporting it
+    prediction = m.predict(CHAT, cap=512)
+    assert (prediction.tokens, prediction.source) == (512, PredictionSource.COLD)

@@ -33,7 +33,10 @@ VARYING_FIELDS = ("id", "created")
 @pytest.fixture(scope="module")
 def kvgate(vllm_url: str) -> Iterator[Served]:
     # The real tokenizer, found the way `kvgate serve` finds it: from the backend's /v1/models.
-    with served_gateway(vllm_url, discover_tokenizer=True, metrics_poll_interval_s=0.1) as served:
+    # Reservations start at the cap, as the tests here expect, whatever earlier tests sent vLLM.
+    with served_gateway(
+        vllm_url, discover_tokenizer=True, metrics_poll_interval_s=0.1, output_backend_prior=False
+    ) as served:
         yield served
 
 
@@ -146,6 +149,64 @@ def test_usage_and_reserved_blocks_use_vllm_token_counts(kvgate: Served) -> None
     assert kvgate.call(lambda: kvgate.gateway.output_model.describe()[f"{MODEL}/completions"]["samples"]) >= 1
 
 
+def vllm_output_lengths(vllm_url: str) -> dict[float, float]:
+    """vLLM's histogram of output lengths, read off its text: upper bound -> cumulative count."""
+    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_generation_tokens_bucket{"):
+            bound = float(line.split('le="', 1)[1].split('"', 1)[0])
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def test_a_fresh_gateway_reserves_what_vllms_answers_ran_to(vllm_url: str) -> None:
+    # A gateway (re)started in front of a vLLM that has been serving: its first requests
+    # reserve the median of the answers vLLM has produced, read off vLLM's histogram, not the
+    # cap. Short answers are sent straight to vLLM first until the median is at most 500
+    # tokens, whatever earlier tests sent: then a 900-token cap cannot be what is reserved.
+    wait_vllm_idle(vllm_url)
+    short = {"model": MODEL, "prompt": "Once upon a", "max_tokens": 2, "ignore_eos": True}
+    buckets = vllm_output_lengths(vllm_url)
+    missing = max(10, 2 * math.ceil(buckets.get(math.inf, 0.0) / 2 - buckets.get(500.0, 0.0)) + 10)
+    with ThreadPoolExecutor(8) as pool:
+        sent = list(
+            pool.map(
+                lambda _: httpx.post(f"{vllm_url}/v1/completions", json=short, timeout=60), range(missing)
+            )
+        )
+    assert all(response.status_code == 200 for response in sent)
+    wait_vllm_idle(vllm_url)
+    buckets = vllm_output_lengths(vllm_url)
+    total = buckets[math.inf]
+    median = min(bound for bound, count in buckets.items() if count >= math.ceil(0.5 * total))
+    assert median <= 500
+    with served_gateway(
+        vllm_url,
+        discover_tokenizer=True,
+        metrics_poll_interval_s=0.1,
+        output_quantile=0.5,
+        output_min_samples=10,  # at least the short answers above
+    ) as kvgate:
+        kvgate.wait_until(lambda gw: gw.output_model.backend_prior is not None, what="a scrape")
+        assert kvgate.call(lambda: kvgate.gateway.output_model.backend_prior) == (int(median), int(total))
+        body = {
+            "model": MODEL,
+            "prompt": "Once upon a",
+            "max_tokens": 900,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        response = httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200
+        prompt_tokens = sse_payloads(response.text)[-2]["usage"]["prompt_tokens"]
+        assert int(response.headers["x-kvgate-blocks"]) == math.ceil((prompt_tokens + median) / BLOCK_SIZE)
+        assert math.ceil((prompt_tokens + median) / BLOCK_SIZE) < math.ceil(
+            (prompt_tokens + 900) / BLOCK_SIZE
+        )
+        kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
+
+
 def test_a_burst_through_kvgate_causes_no_preemption(kvgate: Served, vllm_url: str) -> None:
     # Sent straight to vLLM, 8 requests of ~225 prompt + 300 output tokens (17 blocks each, 136
     # in all for a 63-block pool) preempt; kvgate queues what does not fit instead.
@@ -226,6 +287,7 @@ def test_multiplexing_runs_requests_whose_peaks_do_not_meet(vllm_url: str) -> No
             metrics_poll_interval_s=0.1,
             kv_multiplexing=True,
             output_min_samples=1000,  # reserve every cap: the lengths are what this test sets
+            output_backend_prior=False,
         ) as kvgate,
         ThreadPoolExecutor(4) as pool,
     ):
@@ -273,6 +335,7 @@ def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> No
             output_pooling=True,
             output_min_samples=8,
             output_window_samples=8,
+            output_backend_prior=False,  # learn from the cap up: what earlier tests sent is not this
         ) as kvgate,
         ThreadPoolExecutor(8) as pool,
     ):

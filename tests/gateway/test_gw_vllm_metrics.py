@@ -207,3 +207,45 @@ def test_usage_rounding_noise_never_exceeds_the_pool() -> None:
         ]
     )
     assert reading.used_blocks == reading.total_blocks
+
+
+def test_output_length_histogram_of_the_busy_fixture() -> None:
+    reading = parse_metrics_text((FIXTURES / "metrics_0.32.0_busy.txt").read_text())
+    buckets = dict(reading.output_length_buckets)
+    assert (buckets[1.0], buckets[50.0], buckets[float("inf")]) == (235.0, 303.0, 311.0)
+    assert [bound for bound, _ in reading.output_length_buckets] == sorted(buckets)
+
+
+def _histogram(engine: str, *counts: tuple[str, float]) -> list[str]:
+    return [
+        f'vllm:request_generation_tokens_bucket{{engine="{engine}",le="{bound}",model_name="m"}} {count}'
+        for bound, count in counts
+    ]
+
+
+POOL = ['vllm:kv_cache_usage_perc{engine="0"} 0.1', CACHE_CONFIG_0_32]
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        pytest.param(
+            _histogram("0", ("10.0", 3), ("100.0", 5), ("+Inf", 6))
+            + _histogram("1", ("10.0", 1), ("100.0", 1), ("+Inf", 2)),
+            ((10.0, 4.0), (100.0, 6.0), (float("inf"), 8.0)),
+            id="engines-summed",
+        ),
+        pytest.param(_histogram("0", ("10.0", 3), ("100.0", 5)), (), id="no-inf-bucket"),
+        pytest.param(_histogram("0", ("10.0", 3), ("100.0", 2), ("+Inf", 6)), (), id="counts-fall"),
+        pytest.param(_histogram("0", ("ten", 3), ("+Inf", 6)), (), id="bound-not-a-number"),
+        pytest.param(_histogram("0", ("10.0", "NaN"), ("+Inf", 6)), (), id="count-not-a-number"),
+        pytest.param([], (), id="not-exported"),
+    ],
+)
+def test_output_length_histogram_variants(
+    lines: list[str], expected: tuple[tuple[float, float], ...]
+) -> None:
+    # A doubtful histogram is dropped; the pool it comes with is still read.
+    reading = parse_metrics_text(_text(*POOL, *lines))
+    assert reading.output_length_buckets == expected
+    assert reading.total_blocks == 63
