@@ -190,7 +190,7 @@ class OutputLengthModel:
         self.backend_prior = quantile_from_buckets(buckets, self.quantile, self.min_samples)
 
     def distribution(self, key: OutputKey) -> OutputDistribution | None:
-        """The learned lengths behind `predict(key, ...)`, or None while it answers the cap."""
+        """The learned lengths behind `predict(key, ...)`, or None while too few are learned."""
         for candidate in key.fallbacks():
             window = self._windows.get(candidate)
             if window is not None and len(window.arrival) >= self.min_samples:
