@@ -67,6 +67,7 @@ class MetricsPoller:
         timeout_s: float,
         on_update: Callable[[Reconciliation | None], None],
         headers: dict[str, str] | None = None,
+        waiting: Callable[[], bool] = lambda: False,
     ) -> None:
         self._client = client
         self._url = url
@@ -76,6 +77,7 @@ class MetricsPoller:
         self._timeout = httpx.Timeout(timeout_s)
         self._on_update = on_update
         self._headers = headers or {}
+        self._waiting = waiting  # whether requests wait for this backend's blocks now
         self.failures = 0
         self._poked = asyncio.Event()
 
@@ -102,7 +104,7 @@ class MetricsPoller:
         except (httpx.HTTPError, MetricsFormatError) as exc:
             self._fail(f"{type(exc).__name__}: {exc}", unreachable=False)
         else:
-            result = self._budget.observe(reading, started, self._clock())
+            result = self._budget.observe(reading, started, self._clock(), waiting=self._waiting())
             if result is None:  # refused as frozen; the budget has counted the failure
                 self._count_failure(self._budget.last_error)
         self._on_update(result)

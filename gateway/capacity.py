@@ -29,6 +29,19 @@ On top sits an AIMD limit on the admissible share of the pool: a rising
 `vllm:num_preemptions_total` multiplies it down (once per cooldown, preemptions come in
 bursts), quiet periods add back a fixed share per second, always within [min, max].
 
+Reservations are peaks (prompt plus a high quantile of the answer), held from admission on,
+while the KV a request really holds grows from its prompt to where its answer really stops.
+Where answers are long, the pool can sit half empty by vLLM's count while requests wait in the
+gateway for blocks that are only promised. With `overcommit` above zero, quiet periods may
+grow the share past `max`, by as much as the reservations of completed requests exceeded the
+peaks they really reached (`overstatement`: reserved over reached, less one, over recent
+completions) and at most by `overcommit`, but only while requests wait and vLLM's usage at the
+scrape (plus what was sent since it settled) leaves `overcommit_room` of the pool unused.
+Both are needed: room alone is also what requests that have not grown yet leave, and a past
+overstatement alone says nothing about the pool now. Preemptions cut the share like any.
+Where reservations are close to what requests reach (long prompts, short answers, lengths
+known in advance) the share never leaves [min, max].
+
 Unknown means saturated: without a fresh reading the budget is not `known`, and the policy
 admits nothing new, unless configured to fall back on the ledger alone. A request whose
 connection to the backend failed (refused, cut mid-stream) makes the budget `suspect`: not
@@ -100,12 +113,20 @@ class CapacityConfig:
     increase_per_s: float
     quiet_s: float
     decrease_cooldown_s: float
+    # How far past max_fraction the share may grow while requests wait and vLLM's usage leaves
+    # `overcommit_room` of the pool unused (see the module docstring); 0: never.
+    overcommit: float = 0.0
+    overcommit_room: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_fraction <= self.initial_fraction <= self.max_fraction <= 1.0:
             raise ValueError("need 0 < min_fraction <= initial_fraction <= max_fraction <= 1")
         if not 0.0 < self.decrease_factor < 1.0:
             raise ValueError("decrease_factor must lie in (0, 1)")
+        if self.overcommit < 0.0:
+            raise ValueError("overcommit must not be negative")
+        if not 0.0 < self.overcommit_room < 1.0:
+            raise ValueError("overcommit_room must lie in (0, 1)")
 
 
 class AimdLimit:
@@ -122,24 +143,34 @@ class AimdLimit:
 
     def reconfigure(self, config: CapacityConfig) -> None:
         self._config = config
-        self.fraction = min(config.max_fraction, max(config.min_fraction, self.fraction))
+        ceiling = config.max_fraction + config.overcommit
+        self.fraction = min(ceiling, max(config.min_fraction, self.fraction))
 
-    def observe(self, preemptions_total: float | None, now: float, *, attributable: bool = True) -> float:
+    def observe(
+        self,
+        preemptions_total: float | None,
+        now: float,
+        *,
+        attributable: bool = True,
+        headroom: float = 0.0,
+    ) -> float:
         """Feed one reading of the counter; returns the preemptions since the last reading.
 
         `attributable` says whether the gateway had requests in flight on this backend. When it
         had none, the preemptions come from traffic that bypassed it: they are counted, but
         shrinking the admissible share would only punish the gateway's future requests for
         load it neither sent nor can see coming (that load shows up as external blocks).
+        `headroom`: how far past `max_fraction` quiet time may grow the share now (see the
+        module docstring). Where it is lower than the share, the share stops growing but is not
+        taken back: only preemptions say that a promise was too thin.
         """
         config = self._config
         if self._updated_at is not None:
             # Additive increase for the quiet time since the last update.
             quiet_from = max(self._updated_at, self._pressure_at + config.quiet_s)
-            if now > quiet_from:
-                self.fraction = min(
-                    config.max_fraction, self.fraction + config.increase_per_s * (now - quiet_from)
-                )
+            ceiling = config.max_fraction + min(config.overcommit, max(0.0, headroom))
+            if now > quiet_from and self.fraction < ceiling:
+                self.fraction = min(ceiling, self.fraction + config.increase_per_s * (now - quiet_from))
         self._updated_at = now if self._updated_at is None else max(self._updated_at, now)
 
         seen = 0.0
@@ -169,7 +200,7 @@ class BudgetSnapshot:
     state: BudgetState
     known: bool
     total_blocks: int
-    pool_limit_blocks: int  # the pool at the AIMD ceiling: no request may ever need more
+    pool_limit_blocks: int  # the pool at `max_fraction`: no request may ever need more
     admissible_blocks: int
     committed_blocks: int
     used_reported_blocks: float
@@ -203,6 +234,10 @@ class Reconciliation:
 # Engine-step counts and text digests of the recent scrapes, kept to tell whether anything
 # moved since a given moment (at the default 0.2 s interval: the last 200 s).
 HISTORY_SCRAPES = 1000
+# Each completed request's weight in the running sums behind `KvBudget.overstatement`, and how
+# many must have completed before it says anything.
+OVERSTATEMENT_WEIGHT = 0.05
+OVERSTATEMENT_MIN_SAMPLES = 20
 
 
 class KvBudget:
@@ -226,6 +261,26 @@ class KvBudget:
         self._motionless_since: float | None = None
         # (parsed at, the ledger's released-blocks counter then) of recent scrapes.
         self._released: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
+        # Exponentially weighted sums over completed requests: blocks reserved, blocks reached.
+        self._reserved_sum = 0.0
+        self._reached_sum = 0.0
+        self._completions = 0
+
+    def observe_completion(self, reserved_blocks: int, reached_blocks: int) -> None:
+        """A request completed (not cut short) having reserved `reserved_blocks` at admission
+        and reached `reached_blocks` at its end."""
+        keep = 1.0 - OVERSTATEMENT_WEIGHT
+        self._reserved_sum = keep * self._reserved_sum + OVERSTATEMENT_WEIGHT * reserved_blocks
+        self._reached_sum = keep * self._reached_sum + OVERSTATEMENT_WEIGHT * reached_blocks
+        self._completions += 1
+
+    @property
+    def overstatement(self) -> float:
+        """How far recent completed requests' reservations exceeded what they reached: reserved
+        over reached, less one; 0 until OVERSTATEMENT_MIN_SAMPLES have completed."""
+        if self._completions < OVERSTATEMENT_MIN_SAMPLES or self._reached_sum <= 0.0:
+            return 0.0
+        return max(0.0, self._reserved_sum / self._reached_sum - 1.0)
 
     @property
     def external_blocks(self) -> int:
@@ -236,9 +291,12 @@ class KvBudget:
         """Why the last scrape failed ("" after a good one)."""
         return self._last_error
 
-    def observe(self, reading: BackendReading, started_at: float, now: float) -> Reconciliation | None:
+    def observe(
+        self, reading: BackendReading, started_at: float, now: float, *, waiting: bool = False
+    ) -> Reconciliation | None:
         """Take a scrape that was started at `started_at` and parsed at `now`. Returns None
-        when the reading is refused as frozen (then it counts as a failed scrape)."""
+        when the reading is refused as frozen (then it counts as a failed scrape). `waiting`:
+        requests wait in the gateway for this backend's blocks (see `overcommit`)."""
         config = self._config
         settled_before = started_at - config.settle_s
         split = self._ledger.held_split(settled_before)
@@ -291,7 +349,20 @@ class KvBudget:
             # vLLM came back with another pool: the old baseline of its counters is void.
             self.limit = AimdLimit(config)
         in_flight = split.settled_sequences > 0 or split.settled_blocks > 0 or split.fresh_blocks > 0
-        preemptions = self.limit.observe(reading.preemptions_total, now, attributable=in_flight)
+        # vLLM's usage plus what was sent since (not allocated there yet, perhaps) against the pool.
+        unused = reading.total_blocks - used - split.fresh_blocks
+        room = (
+            waiting
+            and reading.waiting == 0
+            and changed is not False
+            and unused >= config.overcommit_room * reading.total_blocks
+        )
+        preemptions = self.limit.observe(
+            reading.preemptions_total,
+            now,
+            attributable=in_flight,
+            headroom=self.overstatement if room else 0.0,
+        )
         self.reading = reading
         self._reading_at = started_at
         if self._suspect_since is not None and started_at >= self._suspect_since:

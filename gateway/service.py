@@ -99,6 +99,8 @@ def capacity_config(settings: Settings) -> CapacityConfig:
         increase_per_s=settings.aimd_increase_per_s,
         quiet_s=settings.aimd_quiet_s,
         decrease_cooldown_s=settings.aimd_decrease_cooldown_s,
+        overcommit=settings.budget_overcommit,
+        overcommit_room=settings.budget_overcommit_room,
     )
 
 
@@ -269,6 +271,7 @@ class BackendGateway:
             timeout_s=settings.metrics_timeout_s,
             on_update=self._on_scrape,
             headers=self._backend_headers,
+            waiting=lambda: len(self.queue) > 0,
         )
         self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
         self._keys = itertools.count(1)
@@ -490,6 +493,7 @@ class BackendGateway:
                 "used_reported_blocks": round(snapshot.used_reported_blocks, 3),
                 "external_blocks": snapshot.external_blocks,
                 "aimd_fraction": round(snapshot.fraction, 4),
+                "reservation_overstatement": round(self.budget.overstatement, 4),
                 "preemptions_seen": self.budget.limit.preemptions_seen,
                 "age_s": None if snapshot.age_s is None else round(snapshot.age_s, 3),
                 "block_size": reading.block_size if reading else None,
@@ -879,6 +883,10 @@ class BackendGateway:
             if tokens > expected:
                 self.metrics.prediction_underruns.labels(self.name).inc()
         longest = max(per_sequence, default=0)
+        demand = prepared.demand
+        self.budget.observe_completion(
+            demand.reserved_blocks, demand.blocks_at(min(longest, demand.max_output_tokens))
+        )
         if reservation.admitted_at is not None and longest > 0:
             if result.streamed and result.first_byte_at is not None:
                 self.first_token_after_admit.add(result.first_byte_at - reservation.admitted_at)

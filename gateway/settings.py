@@ -45,6 +45,11 @@ DEFAULT_AIMD_DECREASE_FACTOR = 0.8
 DEFAULT_AIMD_INCREASE_PER_S = 0.02
 DEFAULT_AIMD_QUIET_S = 5.0
 DEFAULT_AIMD_DECREASE_COOLDOWN_S = 2.0
+# How far past budget_max_fraction quiet periods may grow the share while requests wait and
+# vLLM leaves a quarter of the pool unused (see gateway.capacity); 0: never. Measured on the
+# CPU testbed (see the README): it engaged on long answers and not on long prompts.
+DEFAULT_BUDGET_OVERCOMMIT = 0.5
+DEFAULT_BUDGET_OVERCOMMIT_ROOM = 0.25
 
 # Output-length model.
 DEFAULT_OUTPUT_QUANTILE = 0.9
@@ -148,6 +153,8 @@ class Settings(BaseSettings):
     aimd_increase_per_s: float = Field(DEFAULT_AIMD_INCREASE_PER_S, ge=0)
     aimd_quiet_s: float = Field(DEFAULT_AIMD_QUIET_S, ge=0)
     aimd_decrease_cooldown_s: float = Field(DEFAULT_AIMD_DECREASE_COOLDOWN_S, ge=0)
+    budget_overcommit: float = Field(DEFAULT_BUDGET_OVERCOMMIT, ge=0, le=1)
+    budget_overcommit_room: float = Field(DEFAULT_BUDGET_OVERCOMMIT_ROOM, gt=0, lt=1)
     # Commit the projected peak of the requests in flight together rather than the sum of
     # their peaks (see gateway.ledger). Off by default: it admits more at once, which pays where
     # the KV cache is what binds (long answers) and costs where compute does (see the README).
@@ -302,6 +309,8 @@ RELOADABLE_SETTINGS = frozenset(
         "aimd_increase_per_s",
         "aimd_quiet_s",
         "aimd_decrease_cooldown_s",
+        "budget_overcommit",
+        "budget_overcommit_room",
         "output_quantile",
         "output_backend_prior",
         "queue_max_high",

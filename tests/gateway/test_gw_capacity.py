@@ -269,3 +269,93 @@ def test_preemptions_with_nothing_of_ours_in_flight_do_not_shrink_the_budget() -
 def test_config_refuses_inverted_bounds() -> None:
     with pytest.raises(ValueError, match="min_fraction"):
         replace(CONFIG, min_fraction=0.9, initial_fraction=0.8)
+
+
+OVERCOMMIT = replace(CONFIG, overcommit=0.3, overcommit_room=0.25)
+
+
+def test_aimd_grows_past_the_pool_only_by_the_headroom_it_is_given() -> None:
+    limit = AimdLimit(OVERCOMMIT)
+    limit.observe(0.0, 0.0, headroom=0.2)
+    limit.observe(0.0, 10.0)
+    assert limit.fraction == 1.0  # quiet, but nothing shows the reservations overstate
+    limit.observe(0.0, 20.0, headroom=0.2)
+    assert limit.fraction == pytest.approx(1.2)  # 10 s at 0.02 per s
+    limit.observe(0.0, 30.0)
+    assert limit.fraction == pytest.approx(1.2)  # no headroom now: it stops, keeps its gain
+    limit.observe(0.0, 60.0, headroom=0.9)
+    assert limit.fraction == pytest.approx(1.3)  # never past max_fraction + overcommit
+    limit.observe(3.0, 61.0, headroom=0.9)
+    assert limit.fraction == pytest.approx(1.04)  # a preemption cuts it like any share
+
+
+def test_without_overcommit_the_share_stays_within_its_bounds() -> None:
+    limit = AimdLimit(CONFIG)
+    limit.observe(0.0, 0.0, headroom=0.5)
+    limit.observe(0.0, 100.0, headroom=0.5)
+    assert limit.fraction == 1.0
+
+
+def overstated_budget(ledger: InMemoryLedger, reserved: int = 30, reached: int = 20) -> KvBudget:
+    """A budget that has seen 20 requests complete at `reached` of `reserved` blocks."""
+    budget = KvBudget(OVERCOMMIT, ledger)
+    for _ in range(20):
+        budget.observe_completion(reserved, reached)
+    return budget
+
+
+def test_overstatement_is_what_completed_reservations_exceeded() -> None:
+    budget = KvBudget(OVERCOMMIT, InMemoryLedger())
+    for _ in range(19):
+        budget.observe_completion(30, 20)
+    assert budget.overstatement == 0.0  # too few to say
+    budget.observe_completion(30, 20)
+    assert budget.overstatement == pytest.approx(0.5)
+    for _ in range(200):
+        budget.observe_completion(20, 20)  # lengths now met exactly: it fades away
+    assert budget.overstatement == pytest.approx(0.0, abs=1e-3)
+
+
+def test_waiting_requests_an_underused_pool_and_overstated_reservations_grow_the_budget() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(30, 40), now=0.0)  # holds 30, reserves 70
+    budget = overstated_budget(ledger, reserved=30, reached=20)  # overstatement 0.5, cut to 0.3
+    budget.observe(reading(30.0), started_at=1.0, now=1.0, waiting=True)
+    budget.observe(reading(30.0), started_at=11.0, now=11.0, waiting=True)
+    snapshot = budget.snapshot(11.1)
+    assert snapshot.admissible_blocks == 120
+    assert snapshot.pool_limit_blocks == 100  # no single request may need more than the pool
+    assert snapshot.free_blocks == 50
+    budget.observe(reading(30.0), started_at=31.0, now=31.0, waiting=True)
+    assert budget.snapshot(31.1).admissible_blocks == 130
+
+
+@pytest.mark.parametrize(
+    ("used", "vllm_waiting", "gateway_waiting", "reached"),
+    [
+        pytest.param(80.0, 0, True, 20, id="pool-nearly-full"),
+        pytest.param(30.0, 2, True, 20, id="vllm-has-its-own-queue"),
+        pytest.param(30.0, 0, False, 20, id="nobody-waits-in-the-gateway"),
+        pytest.param(30.0, 0, True, 30, id="reservations-were-met"),
+    ],
+)
+def test_the_budget_stays_within_the_pool_without_evidence_of_room(
+    used: float, vllm_waiting: int, gateway_waiting: bool, reached: int
+) -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(30, 40), now=0.0)
+    budget = overstated_budget(ledger, reserved=30, reached=reached)
+    for now in (1.0, 11.0, 21.0):
+        budget.observe(reading(used, waiting=vllm_waiting), started_at=now, now=now, waiting=gateway_waiting)
+    assert budget.snapshot(21.1).admissible_blocks == 100
+
+
+def test_blocks_sent_since_the_scrape_settled_count_as_used() -> None:
+    # vLLM reports 30 of 100 used, but 50 more were just sent: 20 unused is under the room.
+    ledger = InMemoryLedger()
+    ledger.open(1, booking(30, 10), now=0.0)
+    ledger.open(2, booking(50, 0), now=10.9)
+    budget = overstated_budget(ledger)
+    budget.observe(reading(30.0), started_at=1.0, now=1.0, waiting=True)
+    budget.observe(reading(30.0), started_at=11.0, now=11.0, waiting=True)
+    assert budget.snapshot(11.1).admissible_blocks == 100

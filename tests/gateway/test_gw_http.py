@@ -13,6 +13,7 @@ from conftest import InProcess, gateway_over_sim, ledger_is_empty, wait_until
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
 from sim.faults import Faults, MetricsMode
+from sim.lengths import OutputLengthModel as SimOutputLength
 
 # Slow enough that a few hundred tokens keep requests in flight while others arrive.
 SLOW_ENGINE = EngineConfig(step_cost=StepCost(base_s=0.002, per_token_s=0.0, per_seq_s=0.0))
@@ -249,6 +250,49 @@ async def test_requests_wait_for_blocks_and_leave_the_ledger_balanced() -> None:
         state = harness.sim.runtime.state()
         assert state["num_preemptions_total"] == 0
         assert ledger_is_empty(harness.gateway)
+
+
+@pytest.mark.parametrize("overcommit", [0.0, 0.5])
+async def test_an_underused_pool_lets_more_in_than_the_reservations_say(overcommit: float) -> None:
+    # Each request reserves 19 blocks (its cap, 600 tokens) but answers in 40 tokens and holds
+    # 2: three fill the 63-block pool by reservation while vLLM uses a tenth of it. Once 20
+    # have shown that, the share grows past the pool while requests wait (fast here: no quiet
+    # time), with overcommit.
+    engine = EngineConfig(step_cost=StepCost(base_s=0.005, per_token_s=0.0, per_seq_s=0.0))
+    sim = SimConfig(engine=engine, output_len=SimOutputLength.parse("fixed:40"))
+    async with gateway_over_sim(
+        sim,
+        budget_overcommit=overcommit,
+        aimd_quiet_s=0.0,
+        aimd_increase_per_s=10.0,
+        output_min_samples=1000,
+        output_backend_prior=False,
+    ) as harness:
+        gateway = harness.gateway
+        body = {**COMPLETION, "prompt": "y", "max_tokens": 600, "ignore_eos": False, "stream": True}
+        shown = await asyncio.gather(*(harness.client.post("/v1/completions", json=body) for _ in range(20)))
+        assert [r.status_code for r in shown] == [200] * 20
+        assert gateway.budget.overstatement == pytest.approx(19 / 2 - 1)
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, gateway.ledger.totals().entries)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        responses = await asyncio.gather(
+            *(harness.client.post("/v1/completions", json=body) for _ in range(8))
+        )
+        watcher.cancel()
+        assert [r.status_code for r in responses] == [200] * 8
+        snapshot = gateway.snapshot()
+        assert most == (4 if overcommit else 3)  # 4 x 19 = 76 blocks: 1.2 times the pool
+        assert snapshot.admissible_blocks == (94 if overcommit else 63)
+        assert snapshot.pool_limit_blocks == 63
+        assert harness.sim.runtime.state()["num_preemptions_total"] == 0
+        assert ledger_is_empty(gateway)
 
 
 async def test_a_queued_request_keeps_its_predicted_wait_for_the_metric_and_the_log() -> None:
