@@ -402,7 +402,11 @@ def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
     wait_vllm_idle(vllm_url)
     with (
         served_gateway(
-            vllm_url, discover_tokenizer=True, queue_max_normal=0, retry_after_min_s=0.2
+            vllm_url,
+            discover_tokenizer=True,
+            queue_max_normal=0,
+            retry_after_min_s=0.2,
+            output_backend_prior=False,  # the caps below are the reservations: see there
         ) as kvgate,
         openai.OpenAI(base_url=f"{kvgate.url}/v1", api_key="unused", max_retries=20, timeout=60) as client,
         ThreadPoolExecutor(2) as pool,
