@@ -68,6 +68,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from gateway.ledger import Ledger
+from gateway.rates import Ewma
 from gateway.vllm_metrics import BackendReading
 
 
@@ -234,8 +235,8 @@ class Reconciliation:
 # Engine-step counts and text digests of the recent scrapes, kept to tell whether anything
 # moved since a given moment (at the default 0.2 s interval: the last 200 s).
 HISTORY_SCRAPES = 1000
-# Each completed request's weight in the running sums behind `KvBudget.overstatement`, and how
-# many must have completed before it says anything.
+# Each completed request's weight in the moving averages behind `KvBudget.overstatement`, and
+# how many must have completed before it says anything.
 OVERSTATEMENT_WEIGHT = 0.05
 OVERSTATEMENT_MIN_SAMPLES = 20
 
@@ -261,26 +262,24 @@ class KvBudget:
         self._motionless_since: float | None = None
         # (parsed at, the ledger's released-blocks counter then) of recent scrapes.
         self._released: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
-        # Exponentially weighted sums over completed requests: blocks reserved, blocks reached.
-        self._reserved_sum = 0.0
-        self._reached_sum = 0.0
-        self._completions = 0
+        # Over completed requests: the blocks they reserved and the blocks they reached.
+        self._reserved = Ewma(OVERSTATEMENT_WEIGHT)
+        self._reached = Ewma(OVERSTATEMENT_WEIGHT)
 
     def observe_completion(self, reserved_blocks: int, reached_blocks: int) -> None:
         """A request completed (not cut short) having reserved `reserved_blocks` at admission
         and reached `reached_blocks` at its end."""
-        keep = 1.0 - OVERSTATEMENT_WEIGHT
-        self._reserved_sum = keep * self._reserved_sum + OVERSTATEMENT_WEIGHT * reserved_blocks
-        self._reached_sum = keep * self._reached_sum + OVERSTATEMENT_WEIGHT * reached_blocks
-        self._completions += 1
+        self._reserved.add(reserved_blocks)
+        self._reached.add(reached_blocks)
 
     @property
     def overstatement(self) -> float:
         """How far recent completed requests' reservations exceeded what they reached: reserved
         over reached, less one; 0 until OVERSTATEMENT_MIN_SAMPLES have completed."""
-        if self._completions < OVERSTATEMENT_MIN_SAMPLES or self._reached_sum <= 0.0:
+        reserved, reached = self._reserved.value, self._reached.value
+        if self._reached.count < OVERSTATEMENT_MIN_SAMPLES or not reserved or not reached:
             return 0.0
-        return max(0.0, self._reserved_sum / self._reached_sum - 1.0)
+        return max(0.0, reserved / reached - 1.0)
 
     @property
     def external_blocks(self) -> int:

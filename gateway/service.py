@@ -372,11 +372,10 @@ class BackendGateway:
         else:
             if reconciliation.preemptions > 0:
                 self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
-            if self.budget.reading is not None and self.settings.output_backend_prior:
-                # What the backend's answers ran to: the reservation until kvgate has its own.
-                self.output_model.observe_backend(self.budget.reading.output_length_buckets)
-            else:
-                self.output_model.backend_prior = None
+            # What the backend's answers ran to: the reservation until kvgate has its own.
+            reading = self.budget.reading
+            buckets = reading.output_length_buckets if reading is not None else ()
+            self.output_model.observe_backend(buckets if self.settings.output_backend_prior else ())
         self.queue.pump()
 
     # -- state ----------------------------------------------------------------------------
