@@ -1,8 +1,9 @@
 """One backend's admission machinery and the path of a request through it.
 
 `BackendGateway` wires the parts together: the ledger (open loop), the budget with its poller
-(closed loop), the output-length model, the policy and its wait queue, the token counter and
-the forwarder. The HTTP layer calls three steps per generation request:
+(closed loop), the output-length model, the backend's measured pace (`gateway.pace`), the
+policy and its wait queue, the token counter and the forwarder. The HTTP layer calls three
+steps per generation request:
 
 1. `prepare`: validate the body and headers, count prompt tokens in the thread pool, build the
    request's `Demand` and its `Ask` (blocks, priority, queue deadline);
@@ -50,7 +51,7 @@ from gateway.backend import (
 )
 from gateway.budget import MetricsPoller
 from gateway.capacity import BudgetSnapshot, BudgetState, CapacityConfig, KvBudget, Reconciliation
-from gateway.client_hints import HintError, ServiceEstimate, parse_hints, queue_deadlines
+from gateway.client_hints import HintError, parse_hints, queue_deadlines
 from gateway.errors import (
     ContextTooLongError,
     ExceedsKvPoolError,
@@ -65,8 +66,9 @@ from gateway.logs import REQUEST_LOGGER, log_request
 from gateway.metrics import GatewayMetrics, GaugeReadings
 from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome, outcome_of_refusal
 from gateway.output_model import OutputKey, OutputLengthModel, OutputPrediction
+from gateway.pace import BackendPace
 from gateway.proxy import RelayResponse, RelayResult, RelayTimeouts, upstream_headers
-from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog, WaitCalibration
+from gateway.rates import WaitCalibration
 from gateway.recent import RecentRequests, RequestSummary
 from gateway.request_id import REQUEST_ID_HEADER, new_request_id
 from gateway.settings import Settings
@@ -78,8 +80,6 @@ log = logging.getLogger(__name__)
 # How often /v1/models is read again once known (a restarted vLLM may serve another limit).
 DISCOVERY_REFRESH_S = 30.0
 _REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode("latin-1")
-# Smoothing of the service-time estimates netted out of client deadlines.
-SERVICE_TIME_EWMA_ALPHA = 0.1
 
 
 class ClientGoneError(Exception):
@@ -165,7 +165,7 @@ class Reservation:
     # Called by the wait queue, synchronously, at the moment of admission.
     def open(self, now: float) -> None:
         gateway = self._gateway
-        gateway.busy_time(now)
+        gateway.pace.admitting(now)
         # Pooling weighs the request by the lengths its reservation was learned from.
         prediction = self.prepared.prediction
         outlook = (
@@ -231,27 +231,19 @@ class BackendGateway:
             min_samples=settings.output_min_samples,
             window=settings.output_window_samples,
         )
-        # Blocks freed per busy second (see BusyClock): the queue's fallback until the
-        # saturated rate below is known.
-        self.drain = DecayingRate(settings.drain_rate_horizon_s)
-        # Blocks freed per second while requests wait in the queue (the backend saturated):
-        # the rate queue waits are predicted at and the virtual backlog drains at.
-        self.saturated_drain = DecayingRate(settings.drain_rate_horizon_s)
-        self._saturated = BusyClock(clock())
-        self.virtual_backlog = VirtualBacklog(
-            share=settings.overload_wait_share, arrival_horizon_s=settings.overload_arrival_horizon_s
+        self.pace = BackendPace(
+            self.ledger,
+            lambda: len(self.queue) > 0,
+            clock(),
+            drain_rate_horizon_s=settings.drain_rate_horizon_s,
+            overload_wait_share=settings.overload_wait_share,
+            overload_arrival_horizon_s=settings.overload_arrival_horizon_s,
         )
-        self._busy = BusyClock(clock())
-        self.first_token_after_admit = Ewma(SERVICE_TIME_EWMA_ALPHA)
-        self.seconds_per_output_token = Ewma(SERVICE_TIME_EWMA_ALPHA)
         self.policy = AdmissionPolicy(policy_config(settings))
         self.queue = WaitQueue(
             policy=self.policy,
             budget=self.budget,
-            # Waits happen only while the backend is saturated: predict them at the rate it
-            # frees blocks then, not at the busy-time average, which counts lighter moments
-            # and made the queue shed a burst's tail that vLLM would still have served in time.
-            drain_rate=self.capacity_rate,
+            drain_rate=self.pace.capacity_rate,
             clock=clock,
             strict_lookback_s=settings.objective_lookback_s,
             calibration=WaitCalibration() if settings.wait_calibration else None,
@@ -320,7 +312,7 @@ class BackendGateway:
         if isinstance(self.ledger, InMemoryLedger):
             self.ledger.pooling_z = pooling_z(settings)
         self.queue.strict_lookback_s = settings.objective_lookback_s
-        self.virtual_backlog.share = settings.overload_wait_share
+        self.pace.virtual_backlog.share = settings.overload_wait_share
         self.poller.reconfigure(
             interval_s=settings.metrics_poll_interval_s, timeout_s=settings.metrics_timeout_s
         )
@@ -380,60 +372,6 @@ class BackendGateway:
 
     # -- state ----------------------------------------------------------------------------
 
-    def busy_time(self, now: float) -> float:
-        """Advance the busy clock to `now`; call before every change of the in-flight set."""
-        return self._busy.advance(now, self.ledger.totals().entries > 0)
-
-    def drain_rate(self, now: float) -> float | None:
-        """Blocks freed per busy second, or None when unknown (the queue's fallback, see
-        `capacity_rate`).
-
-        The rate observed over recent busy time when there is one. Before that (a cold start),
-        a projection of what is in flight: its reserved blocks over the mean time its requests
-        still need (expected output tokens still to come times the measured seconds per token).
-        The projection sees decode time only; on a loaded backend requests hold their blocks
-        mostly while prompts ahead of them are computed, and on the CPU testbed at three times
-        capacity it ran about twice too fast: requests queued on its word waited up to 8 s
-        where it had predicted under 2 s.
-        """
-        observed = self.drain.rate(self.busy_time(now))
-        if observed is not None:
-            return observed
-        per_token_s = self.seconds_per_output_token.value
-        if not per_token_s:
-            return None
-        # From the ledger's running sums: this runs on every queue pump (O(1), not O(n)).
-        totals = self.ledger.totals()
-        remaining_s = self.ledger.remaining_output_tokens() * per_token_s
-        if totals.entries and remaining_s > 0:
-            return totals.reserved_blocks / (remaining_s / totals.entries)
-        return None
-
-    def saturated_time(self, now: float) -> float:
-        """Advance the saturated clock (it runs while requests wait in the queue) to `now`.
-        Called on every arrival, completion and queue pump, with the queue's state then
-        standing for the (short) interval since the last call."""
-        return self._saturated.advance(now, len(self.queue) > 0)
-
-    def capacity_rate(self, now: float) -> float | None:
-        """Blocks per second the backend frees when saturated; the drain rate until known."""
-        rate = self.saturated_drain.rate(self.saturated_time(now))
-        return rate if rate is not None else self.drain_rate(now)
-
-    def plain_queue_wait(self, now: float) -> float | None:
-        """Seconds an arrival would wait now in a plain queue that sheds nothing."""
-        rate = self.capacity_rate(now)
-        return self.virtual_backlog.wait_s(now, rate) if rate else None
-
-    def _beyond_capacity(self, ask: Ask, now: float) -> bool:
-        """Offer the arrival to the virtual backlog: whether a plain queue would serve it past
-        its deadline (then its first-token objective decides; see `gateway.admission`)."""
-        rate = self.capacity_rate(now)
-        if not rate:
-            return False
-        beyond = self.virtual_backlog.offer(ask.reserve_blocks, now, rate, ask.deadline_at - now)
-        return beyond and ask.objective_at < ask.deadline_at
-
     def snapshot(self) -> BudgetSnapshot:
         return self.budget.snapshot(self.clock())
 
@@ -449,12 +387,6 @@ class BackendGateway:
             return False, snapshot.detail
         return True, snapshot.detail
 
-    def service_estimate(self, reserve_output_tokens: int) -> ServiceEstimate:
-        first = self.first_token_after_admit.value or 0.0
-        per_token = self.seconds_per_output_token.value
-        complete = first + (per_token * reserve_output_tokens if per_token is not None else 0.0)
-        return ServiceEstimate(first, complete)
-
     def gauge_readings(self) -> GaugeReadings:
         now = self.clock()
         snapshot = self.budget.snapshot(now)
@@ -467,7 +399,7 @@ class BackendGateway:
             reserved_blocks=totals.reserved_blocks,
             held_blocks=totals.held_blocks,
             backend_up=snapshot.state is BudgetState.FRESH,
-            plain_queue_wait_s=self.plain_queue_wait(now),
+            plain_queue_wait_s=self.pace.plain_queue_wait(now),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -476,6 +408,7 @@ class BackendGateway:
         snapshot = self.budget.snapshot(now)
         totals = self.ledger.totals()
         reading = self.budget.reading
+        pace = self.pace.describe(now)
         return {
             "name": self.name,
             "url": self.settings.backend_url,
@@ -523,12 +456,10 @@ class BackendGateway:
             "queue": {
                 "depth": {p.value: n for p, n in self.queue.depth().items()},
                 "queued_blocks": self.queue.queued_blocks(),
-                "drain_rate_blocks_per_s": _round(self.drain_rate(now)),
+                "drain_rate_blocks_per_s": pace["drain_rate_blocks_per_s"],
                 # None until measured (the queue then predicts at the busy-time rate).
-                "saturated_drain_rate_blocks_per_s": _round(
-                    self.saturated_drain.rate(self.saturated_time(now))
-                ),
-                "plain_queue_wait_s": _round(self.plain_queue_wait(now)),
+                "saturated_drain_rate_blocks_per_s": pace["saturated_drain_rate_blocks_per_s"],
+                "plain_queue_wait_s": pace["plain_queue_wait_s"],
                 # None: waits are predicted in queue order, uncorrected.
                 "wait_calibration": (
                     self.queue.calibration.factors() if self.queue.calibration is not None else None
@@ -540,8 +471,8 @@ class BackendGateway:
                 },
             },
             "service_time": {
-                "first_token_after_admit_s": _round(self.first_token_after_admit.value),
-                "seconds_per_output_token": _round(self.seconds_per_output_token.value),
+                "first_token_after_admit_s": pace["first_token_after_admit_s"],
+                "seconds_per_output_token": pace["seconds_per_output_token"],
             },
             "models": [
                 {"id": m.id, "root": m.root, "max_model_len": m.max_model_len}
@@ -629,7 +560,7 @@ class BackendGateway:
             arrived_at,
             hints,
             timeout_s,
-            self.service_estimate(demand.expected_output_tokens),
+            self.pace.service_estimate(demand.expected_output_tokens),
             margin=self.settings.service_time_margin,
         )
         ask = Ask(
@@ -697,7 +628,7 @@ class BackendGateway:
         reservation = Reservation(self, key, prepared)
         reservation.queued_at = now = self.clock()
         entry = self.queue.enter(
-            key, prepared.ask, reservation.open, strict=self._beyond_capacity(prepared.ask, now)
+            key, prepared.ask, reservation.open, strict=self.pace.beyond_capacity(prepared.ask, now)
         )
         reservation.predicted_queue_s = entry.predicted_wait_s
         try:
@@ -848,13 +779,9 @@ class BackendGateway:
         self, reservation: Reservation, outcome: Outcome, result: RelayResult | None, now: float
     ) -> None:
         self.inflight.pop(reservation.key, None)
-        busy_s = self.busy_time(now)
         closed = self.ledger.close(reservation.key)
-        saturated_s = self.saturated_time(now)
         if closed is not None:
-            self.drain.add(closed.reserved_blocks, busy_s)
-            if len(self.queue):
-                self.saturated_drain.add(closed.reserved_blocks, saturated_s)
+            self.pace.completed(closed.reserved_blocks, now)
         self.conclude(_finished_summary(self.name, reservation, outcome, result, closed, now))
         if result is not None and result.backend_failed:
             # The backend may be gone: hold admissions until a new scrape says otherwise.
@@ -886,13 +813,13 @@ class BackendGateway:
         self.budget.observe_completion(
             demand.reserved_blocks, demand.blocks_at(min(longest, demand.max_output_tokens))
         )
-        if reservation.admitted_at is not None and longest > 0:
-            if result.streamed and result.first_byte_at is not None:
-                self.first_token_after_admit.add(result.first_byte_at - reservation.admitted_at)
-                if longest > 1:
-                    self.seconds_per_output_token.add((now - result.first_byte_at) / (longest - 1))
-            elif not result.streamed:
-                self.seconds_per_output_token.add((now - reservation.admitted_at) / longest)
+        admitted_at = reservation.admitted_at
+        if admitted_at is None:
+            return
+        if not result.streamed:
+            self.pace.observe_whole(admitted_at, now, longest)
+        elif result.first_byte_at is not None:
+            self.pace.observe_stream(admitted_at, result.first_byte_at, now, longest)
 
 
 def _summary(
@@ -1007,10 +934,6 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
 __all__ = ["BackendGateway", "ClientGoneError", "Prepared", "Priority", "Reservation"]

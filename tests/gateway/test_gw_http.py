@@ -302,7 +302,7 @@ async def test_a_queued_request_keeps_its_predicted_wait_for_the_metric_and_the_
         body = {**COMPLETION, "prompt": "y", "max_tokens": 500}  # 16 blocks: 3 at once
         # Until blocks have been seen to free up, nobody's wait can be predicted.
         rounds = 0
-        while gateway.capacity_rate(gateway.clock()) is None:
+        while gateway.pace.capacity_rate(gateway.clock()) is None:
             rounds += 1
             assert rounds <= 5, "no drain rate after five rounds"
             await asyncio.gather(*(harness.client.post("/v1/completions", json=body) for _ in range(6)))

@@ -23,6 +23,7 @@ PURE_GATEWAY_MODULES = (
     "gateway.ledger",
     "gateway.outcomes",
     "gateway.output_model",
+    "gateway.pace",
     "gateway.recent",
     "gateway.rates",
     "gateway.sse",
