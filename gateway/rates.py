@@ -120,7 +120,7 @@ class VirtualBacklog:
     strict once the plain wait reaches a third of the budget. Below one the backlog shrinks, and
     the plain wait decides alone. It is a bet that the load goes on: when a burst ends instead,
     the requests refused would have been served in time (on the testbed's Azure slice, 11-23% of
-    the useful tokens at 1x; see the README), so it is off by default.
+    the useful tokens at 1x; see docs/measurements.md), so it is off by default.
 
     The backlog is capped at `cap_factor` times the arrival's own deadline budget, so that it
     forgets an overload about a deadline's worth of draining after the load falls back.

@@ -47,7 +47,7 @@ DEFAULT_AIMD_QUIET_S = 5.0
 DEFAULT_AIMD_DECREASE_COOLDOWN_S = 2.0
 # How far past budget_max_fraction quiet periods may grow the share while requests wait and
 # vLLM leaves a quarter of the pool unused (see gateway.capacity); 0: never. Measured on the
-# CPU testbed (see the README): it engaged on long answers and not on long prompts.
+# CPU testbed (see docs/measurements.md): it engaged on long answers and not on long prompts.
 DEFAULT_BUDGET_OVERCOMMIT = 0.5
 DEFAULT_BUDGET_OVERCOMMIT_ROOM = 0.25
 
@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     budget_overcommit_room: float = Field(DEFAULT_BUDGET_OVERCOMMIT_ROOM, gt=0, lt=1)
     # Commit the projected peak of the requests in flight together rather than the sum of
     # their peaks (see gateway.ledger). Off by default: it admits more at once, which pays where
-    # the KV cache is what binds (long answers) and costs where compute does (see the README).
+    # the KV cache is what binds (long answers) and costs where compute does (docs/measurements.md).
     kv_multiplexing: bool = False
     # Commit the output_quantile of the sum of what the requests in flight still have to
     # produce rather than the sum of their quantiles (see gateway.ledger).
