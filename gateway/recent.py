@@ -28,6 +28,8 @@ class RequestSummary:
     status: int | None  # the HTTP status the client was sent (499: it left before any)
     arrived_at: float
     finished_at: float
+    # The `code` of the error the client was sent: why it was shed or refused (None: no error).
+    code: str | None = None
     queue_s: float = 0.0
     # What the queue predicted it would wait, for a request that had to (None otherwise).
     predicted_queue_s: float | None = None
@@ -62,6 +64,7 @@ class RequestSummary:
             "stream": self.stream,
             "outcome": self.outcome.value,
             "status": self.status,
+            "code": self.code,
             "queue_ms": self.queue_ms,
             "predicted_queue_ms": self.predicted_queue_ms,
             "duration_ms": self.duration_ms,

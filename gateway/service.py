@@ -620,7 +620,13 @@ class BackendGateway:
             closing = self._shutting_down()
             self.conclude(
                 _summary(
-                    self.name, prepared, Outcome.SHED_UNAVAILABLE, closing.status, self.clock(), queue_s=0.0
+                    self.name,
+                    prepared,
+                    Outcome.SHED_UNAVAILABLE,
+                    closing.status,
+                    self.clock(),
+                    queue_s=0.0,
+                    code=closing.code,
                 )
             )
             raise closing
@@ -645,7 +651,7 @@ class BackendGateway:
         if decision.kind is DecisionKind.ADMIT:
             return reservation
         refusal = self._refusal(decision, prepared)
-        self._record_queue_exit(prepared, entry, outcome_of_refusal(decision), refusal.status)
+        self._record_queue_exit(prepared, entry, outcome_of_refusal(decision), refusal.status, refusal.code)
         raise refusal
 
     async def _wait(self, entry: QueueEntry, receive: Receive | None) -> None:
@@ -662,7 +668,7 @@ class BackendGateway:
             raise ClientGoneError()
 
     def _record_queue_exit(
-        self, prepared: Prepared, entry: QueueEntry, outcome: Outcome, status: int
+        self, prepared: Prepared, entry: QueueEntry, outcome: Outcome, status: int, code: str | None = None
     ) -> None:
         now = self.clock()
         waited = max(0.0, (entry.resolved_at or now) - entry.entered_at)
@@ -679,6 +685,7 @@ class BackendGateway:
                 now,
                 queue_s=waited,
                 predicted_queue_s=entry.predicted_wait_s,
+                code=code,
             )
         )
 
@@ -698,7 +705,14 @@ class BackendGateway:
         outcome = Outcome.REJECTED_INVALID if error.status < 500 else Outcome.SHED_UNAVAILABLE
         self.conclude(
             RequestSummary(
-                request_id, self.name, route.value, outcome, error.status, arrived_at, self.clock()
+                request_id,
+                self.name,
+                route.value,
+                outcome,
+                error.status,
+                arrived_at,
+                self.clock(),
+                code=error.code,
             )
         )
 
@@ -833,6 +847,7 @@ def _summary(
     predicted_queue_s: float | None = None,
     actual_blocks: int | None = None,
     completion_tokens: int | None = None,
+    code: str | None = None,
 ) -> RequestSummary:
     return RequestSummary(
         request_id=prepared.request_id,
@@ -840,6 +855,7 @@ def _summary(
         route=prepared.route.value,
         outcome=outcome,
         status=status,
+        code=code,
         arrived_at=prepared.ask.arrived_at,
         finished_at=now,
         queue_s=queue_s,

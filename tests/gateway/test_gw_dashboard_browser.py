@@ -160,6 +160,8 @@ return {
   admissible: text('kv.admissible'), queued: text('queue.total'), inflight: text('inflight'),
   recent: text('recent.total'), state: text('state'), ready: text('ready'),
   rows: Array.from(root.querySelectorAll('tbody tr')).map((tr) => tr.dataset.requestId),
+  codes: Array.from(root.querySelectorAll('tbody tr')).map(
+    (tr) => [tr.dataset.rowOutcome, tr.querySelector('[data-code]').dataset.code]),
   outcomes: Object.fromEntries(Array.from(root.querySelectorAll('[data-outcome]')).map(
     (chip) => [chip.dataset.outcome, chip.querySelector('b').textContent.replace(/,/g, '')])),
   status: document.getElementById('status').dataset.state,
@@ -270,6 +272,9 @@ def test_dashboard_shows_live_numbers_under_load(browser: WebDriver) -> None:
         )
         assert set(later["rows"]) & load.request_ids, (later["rows"], sorted(load.request_ids)[:10])
         assert all(row.startswith("load-") for row in later["rows"])
+        # A shed request's row carries the code of the error it was sent; a served one none.
+        for outcome, code in later["codes"]:
+            assert bool(code) == outcome.startswith("shed"), later["codes"]
         assert _number(later, "total") == _number(first, "total")
         assert 0 < int(later["outcomes"]["completed"]) <= _number(later, "recent")
         assert sum(int(count) for count in later["outcomes"].values()) == _number(later, "recent")

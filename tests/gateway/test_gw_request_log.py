@@ -56,6 +56,7 @@ REQUEST_FIELDS = {
     "stream",
     "outcome",
     "status",
+    "code",
     "queue_ms",
     "predicted_queue_ms",
     "duration_ms",
@@ -281,6 +282,11 @@ async def test_refused_and_shed_requests_are_logged_once_each(
     by_id = {as_json(record)["request_id"]: as_json(record) for record in request_lines(caplog_info)}
     assert len(by_id) == 2 + len(burst)
 
+    # Each line says why, in the code the client's error carried.
+    for refused in (invalid, too_big, *(r for r in burst if r.status_code != 200)):
+        assert by_id[refused.headers["x-request-id"]]["code"] == refused.json()["error"]["code"]
+    assert by_id[too_big.headers["x-request-id"]]["code"] == "kv_pool_exceeded"
+
     line = by_id[invalid.headers["x-request-id"]]
     assert (line["outcome"], line["status"], line["priority"]) == ("rejected_invalid", 400, None)
     assert line["prompt_tokens"] is None
@@ -294,8 +300,8 @@ async def test_refused_and_shed_requests_are_logged_once_each(
     for response in burst:
         line = by_id[response.headers["x-request-id"]]
         assert line["status"] == response.status_code
-        expected = "completed" if response.status_code == 200 else "shed_queue_full"
-        assert line["outcome"] == expected
+        expected = ("completed", None) if response.status_code == 200 else ("shed_queue_full", "queue_full")
+        assert (line["outcome"], line["code"]) == expected
         assert line["estimated_blocks"] == int(response.headers["x-kvgate-blocks"])
         if response.status_code == 429:
             assert line["completion_tokens"] is None
