@@ -4,7 +4,9 @@ Events (outcomes, admissions, waits, estimates, prediction errors, preemptions s
 counted as they happen. Levels (queue depth, KV blocks, backend health, staleness) are read
 from the live objects when Prometheus scrapes, through `GaugeSource`, so the request path never
 updates a gauge. Labels stay small and bounded: `backend` (configured names), `priority` (3),
-`outcome` (see `gateway.outcomes.Outcome`), `state` (see `gateway.capacity.BudgetState`).
+`outcome` (see `gateway.outcomes.Outcome`), `code` (the codes of kvgate's 429 and 503 errors:
+the policy's shedding reasons, `backend_unavailable`), `state` (see
+`gateway.capacity.BudgetState`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,16 @@ class GatewayMetrics:
         self.requests = _Labelled(
             Counter("kvgate_requests", "Requests by final outcome", ["backend", "outcome"], registry=registry)
         )
+        # Why requests were shed: the outcome shed_deadline alone covers both a deadline and a
+        # first-token objective out of reach. `code` is the error's code, from a small closed set.
+        self.shed = _Labelled(
+            Counter(
+                "kvgate_shed",
+                "Requests shed with 429 or 503, by the code of the error sent",
+                ["backend", "code"],
+                registry=registry,
+            )
+        )
         self.admitted = _Labelled(
             Counter(
                 "kvgate_admitted",
@@ -263,5 +275,8 @@ class GatewayMetrics:
         self.registry.register(collector)
         return collector
 
-    def outcome(self, backend: str, outcome: Outcome) -> None:
+    def outcome(self, backend: str, outcome: Outcome, code: str | None = None) -> None:
+        """Count a request's final outcome, and for a shed one the code of its error."""
         self.requests.labels(backend, outcome.value).inc()
+        if outcome.shed:
+            self.shed.labels(backend, code or outcome.value).inc()

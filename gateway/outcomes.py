@@ -28,6 +28,16 @@ class Outcome(StrEnum):
     CLIENT_GONE = "client_gone"
     UPSTREAM_ERROR = "upstream_error"
 
+    @property
+    def shed(self) -> bool:
+        """Answered 429 or 503 by kvgate with a retry hint."""
+        return self in _SHED
+
+
+_SHED = frozenset(
+    {Outcome.SHED_QUEUE_FULL, Outcome.SHED_DEADLINE, Outcome.SHED_TIMEOUT, Outcome.SHED_UNAVAILABLE}
+)
+
 
 _SHED_OUTCOMES = {
     Reason.QUEUE_FULL: Outcome.SHED_QUEUE_FULL,

@@ -696,7 +696,7 @@ class BackendGateway:
     def conclude(self, summary: RequestSummary) -> None:
         """Record a request's final outcome: the one place it is counted, kept for
         /admin/state and logged. Called exactly once per request."""
-        self.metrics.outcome(self.name, summary.outcome)
+        self.metrics.outcome(self.name, summary.outcome, summary.code)
         self.recent.add(summary)
         log_request(self._request_log, summary)
 

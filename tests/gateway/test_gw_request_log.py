@@ -307,11 +307,15 @@ async def test_refused_and_shed_requests_are_logged_once_each(
             assert line["completion_tokens"] is None
             assert line["actual_blocks"] is None
 
-    # The log, the recent list and the metric count each request once.
+    # The log, the recent list and the metric count each request once; the shed ones also by
+    # the code of their error.
     outcomes = [line["outcome"] for line in by_id.values()]
     for outcome in ("completed", "shed_queue_full", "rejected_invalid"):
         count = outcomes.count(outcome)
         assert f'kvgate_requests_total{{backend="default",outcome="{outcome}"}} {float(count)}' in metrics
+    shed = outcomes.count("shed_queue_full")
+    assert f'kvgate_shed_total{{backend="default",code="queue_full"}} {float(shed)}' in metrics
+    assert metrics.count("kvgate_shed_total{") == 1  # nothing else was shed, nor counted as shed
 
 
 def test_the_text_line_reads_as_key_values() -> None:
