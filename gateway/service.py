@@ -233,7 +233,7 @@ class BackendGateway:
         )
         self.pace = BackendPace(
             self.ledger,
-            lambda: len(self.queue) > 0,
+            self._has_waiters,
             clock(),
             drain_rate_horizon_s=settings.drain_rate_horizon_s,
             overload_wait_share=settings.overload_wait_share,
@@ -263,7 +263,7 @@ class BackendGateway:
             timeout_s=settings.metrics_timeout_s,
             on_update=self._on_scrape,
             headers=self._backend_headers,
-            waiting=lambda: len(self.queue) > 0,
+            waiting=self._has_waiters,
         )
         self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
         self._keys = itertools.count(1)
@@ -371,6 +371,10 @@ class BackendGateway:
         self.queue.pump()
 
     # -- state ----------------------------------------------------------------------------
+
+    def _has_waiters(self) -> bool:
+        """Whether requests wait in the queue for this backend's blocks now."""
+        return len(self.queue) > 0
 
     def snapshot(self) -> BudgetSnapshot:
         return self.budget.snapshot(self.clock())
