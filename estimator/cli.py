@@ -129,6 +129,7 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
         "hybrid": layout.is_hybrid,
         "kv_groups": [g.kind.value for g in layout.groups],
         "sliding_window": layout.sliding_window,
+        "attention_chunk_size": layout.attention_chunk_size,
         "capacity_uses": "kv_bytes_per_token (vLLM block accounting)",
         "max_model_len": max_model_len,
     }
@@ -231,9 +232,17 @@ def render_table(result: dict[str, Any]) -> str:
         f"block size                {result['block_size']} tokens, {result['bytes_per_block']:,} B per block",
     ]
     if result["hybrid"]:
+        windows = [
+            f"{label} {result[key]}"
+            for label, key in (
+                ("sliding window", "sliding_window"),
+                ("attention chunk", "attention_chunk_size"),
+            )
+            if result.get(key) is not None
+        ]
         lines.append(
             f"KV groups                 {', '.join(result['kv_groups'])}"
-            f" (sliding window {result['sliding_window']})"
+            + (f" ({', '.join(windows)})" if windows else "")
         )
     if "num_blocks" in result:
         lines += [

@@ -3,8 +3,10 @@
 Three steps, all pure functions over plain data:
 
 1. `model_shape(config)` reads a Hugging Face `config.json` (as a mapping) into a `ModelShape`:
-   layers and the kind of each (full attention, sliding window, MLA latent, or a fixed-size
-   state such as Mamba / linear attention), KV heads, head size and dtype.
+   layers and the kind of each (full attention, sliding window, chunked local attention, MLA
+   latent, or a fixed-size state such as Mamba / linear attention), KV heads, head size and
+   dtype. A multimodal config is read through its `text_config`, as vLLM reads it through
+   `get_text_config()`: the vision tower holds weights but no KV cache.
 2. `kv_cache_layout(shape, ...)` applies the serving flags (tensor and pipeline parallel,
    `--kv-cache-dtype`, `--dtype`, `--block-size`) and groups the layers the way vLLM's hybrid
    allocator does, giving page and block sizes per GPU and the bytes per token.
@@ -17,6 +19,7 @@ Nothing here does I/O; `estimator.modelconfig` finds and reads the config file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -65,6 +68,7 @@ class LayerKind(StrEnum):
 
     FULL = "full"  # K and V for every token
     SLIDING = "sliding"  # K and V for the last `sliding_window` tokens only
+    CHUNKED = "chunked"  # K and V from the start of the current `attention_chunk_size` chunk (Llama 4)
     MLA = "mla"  # one compressed latent per token (DeepSeek-style multi-head latent attention)
     STATE = "state"  # a fixed-size recurrent state per request (Mamba, linear attention)
 
@@ -83,6 +87,7 @@ class ModelShape:
     config_dtype: str
     max_position_embeddings: int | None
     parameter_count: int
+    attention_chunk_size: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -122,6 +127,7 @@ class KVCacheLayout:
     max_num_batched_tokens: int
     tensor_parallel: int
     pipeline_parallel: int
+    attention_chunk_size: int | None = None
 
     @property
     def page_size_bytes(self) -> int:
@@ -168,8 +174,51 @@ class CapacityPlan:
 
 # ---------------------------------------------------------------- reading a config
 
+# Fields that published configs leave out because transformers' config class supplies them,
+# per text model type (transformers 5.19, as vLLM 0.32 loads them). Only fields that do not
+# size the KV cache by themselves are defaulted: a missing head or layer count stays an error.
+TEXT_MODEL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    # Gemma3TextConfig: google/gemma-3-*-it publish no context length or vocabulary size.
+    "gemma3_text": {"max_position_embeddings": 131072, "vocab_size": 262208},
+    # Llama4TextConfig: chunked local attention of 8192 tokens unless the config says
+    # otherwise (an explicit null turns it off), and a NoPE (global) layer every 4th layer
+    # when `no_rope_layers` is empty.
+    "llama4_text": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4},
+}
+# A top-level model type names the composite model; its text model has its own type.
+_TEXT_MODEL_TYPES: Mapping[str, str] = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 
-def _first(config: Mapping[str, Any], names: Sequence[str]) -> Any:
+
+@dataclass(frozen=True, slots=True)
+class ConfigSection:
+    """The part of a config that describes the language model, and where it sits.
+
+    `prefix` is "text_config." when the fields come from a multimodal config's `text_config`,
+    so that an error names the field where the file has it (`text_config.hidden_size`).
+    `defaults` are transformers' values for fields the file leaves out (absent, not null).
+    """
+
+    fields: Mapping[str, Any]
+    prefix: str = ""
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if name in self.fields:
+            return self.fields[name]
+        return self.defaults.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fields or name in self.defaults
+
+    def path(self, name: str) -> str:
+        return self.prefix + name
+
+    @property
+    def model_type(self) -> str:
+        return str(self.get("model_type") or "")
+
+
+def _first(config: ConfigSection, names: Sequence[str]) -> Any:
     for name in names:
         value = config.get(name)
         if value is not None:
@@ -177,27 +226,30 @@ def _first(config: Mapping[str, Any], names: Sequence[str]) -> Any:
     return None
 
 
-def _required_int(config: Mapping[str, Any], names: Sequence[str]) -> int:
+def _required_int(config: ConfigSection, names: Sequence[str]) -> int:
     value = _first(config, names)
     field = names[0]
+    where = config.path(field)
     if value is None:
-        alternatives = f" (or {', '.join(names[1:])})" if len(names) > 1 else ""
-        raise ConfigError(field, f"config is missing field '{field}'{alternatives}")
+        others = ", ".join(config.path(name) for name in names[1:])
+        alternatives = f" (or {others})" if others else ""
+        raise ConfigError(field, f"config is missing field '{where}'{alternatives}")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(field, f"config field '{field}' must be a positive integer, got {value!r}")
+        raise ConfigError(field, f"config field '{where}' must be a positive integer, got {value!r}")
     return value
 
 
-def _optional_int(config: Mapping[str, Any], names: Sequence[str]) -> int | None:
+def _optional_int(config: ConfigSection, names: Sequence[str]) -> int | None:
     value = _first(config, names)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(names[0], f"config field '{names[0]}' must be a positive integer, got {value!r}")
+        where = config.path(names[0])
+        raise ConfigError(names[0], f"config field '{where}' must be a positive integer, got {value!r}")
     return value
 
 
-def _sliding_window(config: Mapping[str, Any]) -> int | None:
+def _sliding_window(config: ConfigSection) -> int | None:
     """The config's attention window, or None. Some checkpoints write 0 for "no window" and
     vLLM reads 0 as None, so this does too."""
     if config.get("sliding_window") == 0:
@@ -205,38 +257,97 @@ def _sliding_window(config: Mapping[str, Any]) -> int | None:
     return _optional_int(config, ("sliding_window",))
 
 
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a config: multimodal configs nest it under `text_config`."""
-    nested = config.get("text_config")
-    if isinstance(nested, Mapping):
-        merged = dict(nested)
-        # Some multimodal configs keep the dtype (and the model type) only at the top level.
+def _config_dtype(config: Mapping[str, Any], text: Mapping[str, Any]) -> Any:
+    """The checkpoint dtype where vLLM looks for it: the top level first, then the text
+    config, then the vision config (ModelArchConfigConvertorBase.get_torch_dtype)."""
+    vision = config.get("vision_config")
+    for section in (config, text, vision if isinstance(vision, Mapping) else {}):
         for key in ("torch_dtype", "dtype"):
-            if merged.get(key) is None and config.get(key) is not None:
-                merged[key] = config[key]
-        return merged
-    return config
+            if section.get(key) is not None:
+                return section[key]
+    return None
+
+
+def text_config(config: Mapping[str, Any]) -> ConfigSection:
+    """The language model's part of a config, as vLLM's `hf_config.get_text_config()` gives it.
+
+    A multimodal config (Qwen2.5/3-VL re-saved by recent transformers, Llama 4, Gemma 3,
+    Mistral 3) nests the text model under `text_config`; its vision tower's layers keep no KV
+    cache and are not read. Only the dtype and the model type fall back to the top level, where
+    such configs often keep them. A flat config (Qwen2.5-VL as published) is its own section.
+    """
+    nested = config.get("text_config")
+    if nested is None:
+        section: Mapping[str, Any] = config
+        prefix = ""
+    elif isinstance(nested, Mapping):
+        section = dict(nested)
+        prefix = "text_config."
+        if not section.get("model_type") and config.get("model_type"):
+            top = str(config["model_type"])
+            section["model_type"] = _TEXT_MODEL_TYPES.get(top, top)
+    else:
+        raise ConfigError("text_config", f"config field 'text_config' must be an object, got {nested!r}")
+    dtype = _config_dtype(config, section)
+    fields = {**section, "torch_dtype": dtype} if dtype is not None else section
+    model_type = str(fields.get("model_type") or "")
+    return ConfigSection(fields, prefix, TEXT_MODEL_DEFAULTS.get(model_type, {}))
 
 
 _SLIDING_NAMES = frozenset({"sliding_attention", "sliding", "local_attention", "local"})
+_CHUNKED_NAMES = frozenset({"chunked_attention", "chunked_local_attention"})
 _FULL_NAMES = frozenset({"full_attention", "full", "attention", "global", "global_attention"})
 _STATE_NAMES = frozenset(
     {"mamba", "mamba2", "linear_attention", "linear", "conv", "short_conv", "recurrent", "ssm"}
 )
 
 
-def _layer_kinds(cfg: Mapping[str, Any], num_layers: int, is_mla: bool) -> tuple[LayerKind, ...]:
-    """Which layers keep full K/V, a sliding window, or a fixed state.
+def _attention_chunk_size(cfg: ConfigSection) -> int | None:
+    """Llama 4's chunk of local attention, or None: vLLM reads `attention_chunk_size` from the
+    text config, and a null (or 0) there turns chunking off."""
+    if cfg.get("attention_chunk_size") == 0:
+        return None
+    return _optional_int(cfg, ("attention_chunk_size",))
+
+
+def _no_rope_layers(cfg: ConfigSection, num_layers: int) -> list[int]:
+    """Llama 4's per-layer RoPE flags (1 = RoPE with chunked attention, 0 = NoPE, global).
+
+    An empty or missing list means transformers' default: a NoPE layer every
+    `no_rope_layer_interval`-th layer (Llama4TextConfig.__post_init__)."""
+    flags = cfg.get("no_rope_layers")
+    if not flags:
+        interval = _required_int(cfg, ("no_rope_layer_interval",))
+        return [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) < num_layers or any(f not in (0, 1) for f in flags):
+        raise ConfigError(
+            "no_rope_layers",
+            f"config field '{cfg.path('no_rope_layers')}' must list 0 or 1 for each of {num_layers} layers",
+        )
+    return [int(f) for f in flags[:num_layers]]
+
+
+def _layer_kinds(cfg: ConfigSection, num_layers: int, is_mla: bool) -> tuple[LayerKind, ...]:
+    """Which layers keep full K/V, a sliding window, a chunk, or a fixed state.
 
     Follows the conventions of the model families vLLM serves: an explicit `layer_types` list
-    (Gemma 3, gpt-oss, Qwen3-Next, Granite 4), Gemma 2's alternation, Gemma 3's
-    `sliding_window_pattern`, Qwen2's `use_sliding_window` + `max_window_layers`, Jamba's
-    attention period and offset, Qwen3-Next's `full_attention_interval`, and a bare
-    `sliding_window` (Mistral) meaning every layer slides.
+    (Gemma 3, gpt-oss, Qwen3-Next, Granite 4), Llama 4's `no_rope_layers` with
+    `attention_chunk_size`, Gemma 2's alternation, Gemma 3's `sliding_window_pattern`,
+    Qwen2's `use_sliding_window` + `max_window_layers`, Jamba's attention period and offset,
+    Qwen3-Next's `full_attention_interval`, and a bare `sliding_window` (Mistral) meaning every
+    layer slides.
     """
     full = LayerKind.MLA if is_mla else LayerKind.FULL
     window = _sliding_window(cfg)
-    model_type = str(cfg.get("model_type", ""))
+    chunk = _attention_chunk_size(cfg)
+    model_type = cfg.model_type
+
+    if model_type.startswith("llama4"):
+        # vLLM's Llama4Attention: a layer uses chunked local attention when it has RoPE and
+        # the config has a chunk size; the NoPE layers attend globally.
+        if chunk is None:
+            return (full,) * num_layers
+        return tuple(LayerKind.CHUNKED if rope else full for rope in _no_rope_layers(cfg, num_layers))
 
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
@@ -245,21 +356,26 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int, is_mla: bool) -> tuple
             name = str(name).lower()
             if name in _SLIDING_NAMES:
                 kinds.append(LayerKind.SLIDING if window else full)
+            elif name in _CHUNKED_NAMES:
+                kinds.append(LayerKind.CHUNKED if chunk else full)
             elif name in _FULL_NAMES:
                 kinds.append(full)
             elif name in _STATE_NAMES:
                 kinds.append(LayerKind.STATE)
             else:
-                raise ConfigError("layer_types", f"config layer_types[{index}] is unknown: {name!r}")
+                raise ConfigError(
+                    "layer_types", f"config {cfg.path('layer_types')}[{index}] is unknown: {name!r}"
+                )
         if len(kinds) != num_layers:
             raise ConfigError(
-                "layer_types", f"config layer_types has {len(layer_types)} entries for {num_layers} layers"
+                "layer_types",
+                f"config {cfg.path('layer_types')} has {len(layer_types)} entries for {num_layers} layers",
             )
         return tuple(kinds)
 
     if "attn_layer_period" in cfg and "attn_layer_offset" in cfg:  # Jamba
         period = _required_int(cfg, ("attn_layer_period",))
-        offset = int(cfg["attn_layer_offset"])
+        offset = int(cfg.get("attn_layer_offset"))
         return tuple(full if i % period == offset else LayerKind.STATE for i in range(num_layers))
 
     if "full_attention_interval" in cfg:  # Qwen3-Next: linear attention with periodic full
@@ -288,7 +404,7 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int, is_mla: bool) -> tuple
 
 
 def _parameter_count(
-    cfg: Mapping[str, Any], layers: int, heads: int, kv_heads: int, head_dim: int, mla: bool
+    cfg: ConfigSection, layers: int, heads: int, kv_heads: int, head_dim: int, mla: bool
 ) -> int:
     """Approximate parameter count implied by the config, for the weight-memory estimate.
 
@@ -320,24 +436,53 @@ def _parameter_count(
         shared = _optional_int(cfg, ("n_shared_experts",)) or 0
         shared_size = _optional_int(cfg, ("shared_expert_intermediate_size",)) or shared * expert_size
         dense_layers = min(layers, int(cfg.get("first_k_dense_replace", 0) or 0))
+        dense_size = intermediate
+        if cfg.model_type.startswith("llama4"):
+            # Llama 4: every `interleave_moe_layer_step`-th layer is MoE with one shared expert
+            # of the routed experts' size; the others are dense of `intermediate_size_mlp`.
+            step = _optional_int(cfg, ("interleave_moe_layer_step",)) or 1
+            dense_layers = layers - len(range(step - 1, layers, step))
+            shared_size = expert_size
+            dense_size = _optional_int(cfg, ("intermediate_size_mlp",)) or intermediate
         moe_layers = layers - dense_layers
         mlp_total = (
             moe_layers * (mlp_matrices * hidden * (experts * expert_size + shared_size) + hidden * experts)
-            + dense_layers * mlp_matrices * hidden * intermediate
+            + dense_layers * mlp_matrices * hidden * dense_size
         )
     else:
         mlp_total = layers * mlp_matrices * hidden * intermediate
     # transformers ties the output head to the embeddings by default for Gemma and GPT-2, and
     # their configs leave the field out.
-    model_type = str(cfg.get("model_type", ""))
+    model_type = cfg.model_type
     tied_by_default = model_type.startswith(("gemma", "gpt2"))
     tied = cfg.get("tie_word_embeddings", tied_by_default)
     embeddings = vocab * hidden * (1 if tied else 2)
     return layers * attention + mlp_total + embeddings
 
 
+def _vision_parameter_count(config: Mapping[str, Any]) -> int:
+    """Rough weight count of a multimodal config's vision tower: it keeps no KV cache, but its
+    weights share the GPU. Counts each block's attention (4 h^2) and MLP (2 or, gated, 3
+    matrices of h x intermediate); patch embedding and projector are left out."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, Mapping):
+        return 0
+    section = ConfigSection(vision, "vision_config.")
+    layers = _optional_int(section, ("depth", "num_hidden_layers"))
+    hidden = _optional_int(section, ("hidden_size", "embed_dim"))
+    if layers is None or hidden is None:
+        return 0
+    intermediate = _optional_int(section, ("intermediate_size",)) or 4 * hidden
+    gated = str(vision.get("hidden_act", "")).lower() in {"silu", "swiglu"}
+    return layers * (4 * hidden * hidden + (3 if gated else 2) * hidden * intermediate)
+
+
 def model_shape(config: Mapping[str, Any]) -> ModelShape:
-    """Read the KV-relevant shape out of a Hugging Face config; raise `ConfigError` if unusable."""
+    """Read the KV-relevant shape out of a Hugging Face config; raise `ConfigError` if unusable.
+
+    Multimodal configs are read through `text_config` (see `text_config`); an error names the
+    field as the file nests it, e.g. `text_config.hidden_size`.
+    """
     cfg = text_config(config)
     num_layers = _required_int(cfg, ("num_hidden_layers", "n_layer", "num_layers"))
     heads = _required_int(cfg, ("num_attention_heads", "n_head", "num_heads"))
@@ -357,15 +502,17 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         if hidden % heads:
             raise ConfigError(
                 "head_dim",
-                f"config has no 'head_dim' and hidden size {hidden} is not a multiple of {heads} heads",
+                f"config has no '{cfg.path('head_dim')}' and hidden size {hidden} is not a multiple "
+                f"of {heads} heads",
             )
         head_dim = hidden // heads
     dtype_value = _first(cfg, ("torch_dtype", "dtype"))
     # transformers treats a config without a dtype as float32 weights.
     config_dtype = str(dtype_value).removeprefix("torch.") if dtype_value else "float32"
+    kinds = _layer_kinds(cfg, num_layers, is_mla)
     return ModelShape(
-        model_type=str(cfg.get("model_type", config.get("model_type", ""))),
-        layer_kinds=_layer_kinds(cfg, num_layers, is_mla),
+        model_type=cfg.model_type or str(config.get("model_type", "")),
+        layer_kinds=kinds,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -373,7 +520,9 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         sliding_window=_sliding_window(cfg),
         config_dtype=config_dtype,
         max_position_embeddings=_optional_int(cfg, ("max_position_embeddings", "n_positions", "max_seq_len")),
-        parameter_count=_parameter_count(cfg, num_layers, heads, kv_heads, head_dim, is_mla),
+        parameter_count=_parameter_count(cfg, num_layers, heads, kv_heads, head_dim, is_mla)
+        + _vision_parameter_count(config),
+        attention_chunk_size=_attention_chunk_size(cfg) if LayerKind.CHUNKED in kinds else None,
     )
 
 
@@ -492,6 +641,7 @@ def kv_cache_layout(
         max_num_batched_tokens=max_num_batched_tokens,
         tensor_parallel=tp,
         pipeline_parallel=pp,
+        attention_chunk_size=shape.attention_chunk_size if LayerKind.CHUNKED in buckets else None,
     )
 
 
@@ -520,11 +670,22 @@ def sliding_window_blocks(window: int, tokens: int, block_size: int, in_flight_t
     return min(blocks_for_tokens(capped, block_size) + 1, blocks_for_tokens(tokens, block_size))
 
 
+def chunked_local_blocks(chunk: int, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+    """Most blocks a chunked-local-attention layer (Llama 4) holds for `tokens` tokens.
+
+    vLLM frees the blocks before the current chunk, so a layer holds at most one chunk plus
+    the tokens in flight: ChunkedLocalAttentionSpec.max_admission_blocks_per_request, which
+    its admission also caps each request's reservation with, and never more than the request.
+    """
+    return blocks_for_tokens(min(chunk + in_flight_tokens, tokens), block_size)
+
+
 def request_blocks(layout: KVCacheLayout, tokens: int) -> int:
     """Block ids a sequence of `tokens` tokens takes from the shared pool at its peak.
 
     Full and MLA groups need one block per `block_size` tokens; sliding-window groups stop
-    growing at the window; state groups (Mamba, linear attention) take one block each.
+    growing at the window and chunked-local groups at a chunk; state groups (Mamba, linear
+    attention) take one block each.
     """
     full = blocks_for_tokens(tokens, layout.block_size)
     total = 0
@@ -532,6 +693,10 @@ def request_blocks(layout: KVCacheLayout, tokens: int) -> int:
         if group.kind is LayerKind.SLIDING and layout.sliding_window is not None:
             total += sliding_window_blocks(
                 layout.sliding_window, tokens, layout.block_size, layout.max_num_batched_tokens
+            )
+        elif group.kind is LayerKind.CHUNKED and layout.attention_chunk_size is not None:
+            total += chunked_local_blocks(
+                layout.attention_chunk_size, tokens, layout.block_size, layout.max_num_batched_tokens
             )
         elif group.kind is LayerKind.STATE:
             total += 1 if tokens else 0
@@ -554,6 +719,12 @@ def startup_blocks_per_request(layout: KVCacheLayout, max_model_len: int) -> int
         if group.kind is LayerKind.SLIDING and layout.sliding_window is not None:
             held = min(layout.sliding_window - 1 + layout.max_num_batched_tokens, max_model_len)
             total += blocks_for_tokens(held, layout.block_size) + 1
+        elif group.kind is LayerKind.CHUNKED and layout.attention_chunk_size is not None:
+            # ChunkedLocalAttentionSpec.max_memory_usage_bytes: one chunk plus the in-flight
+            # tokens, capped by max_model_len (with no extra straddling block).
+            total += chunked_local_blocks(
+                layout.attention_chunk_size, max_model_len, layout.block_size, layout.max_num_batched_tokens
+            )
         elif group.kind is LayerKind.STATE:
             total += 1
         else:

@@ -136,6 +136,39 @@ BYTES_PER_TOKEN: list[tuple[str, dict[str, Any], int, int]] = [
     ("granite-4.0-h-small", {}, 16384, 16384),
     # The testbed's tiny Llama: 2 x 2 layers x 2 KV heads x 64 x 2 = 1024
     ("tiny-llama", {}, 1024, 1024),
+    # ---- multimodal configs: the text model's layers only; the vision tower keeps no KV cache
+    # Qwen2.5-VL-7B-Instruct as published (flat, vision_config beside the text fields): no
+    # head_dim, 3584 / 28 heads = 128; sliding_window 32768 but use_sliding_window false, so
+    # every layer is full: 2 x 28 layers x 4 KV heads x 128 x 2 B (bf16) = 57344
+    ("qwen2.5-vl-7b-instruct", {}, 57344, 57344),
+    # tp=4: 1 KV head per GPU: 2 x 28 x 1 x 128 x 2 = 14336
+    ("qwen2.5-vl-7b-instruct", {"tp": 4}, 14336, 14336),
+    # the same checkpoint re-saved by transformers 4.53 (fields also under text_config, whose
+    # torch_dtype says float32): vLLM takes the top-level bfloat16, and it is served in 16 bits
+    # either way: 2 x 28 x 4 x 128 x 2 = 57344
+    ("qwen2.5-vl-7b-instruct-resaved", {}, 57344, 57344),
+    # Qwen3-VL-8B-Instruct: text_config 36 layers, 8 KV heads, head_dim 128, dtype only in
+    # text_config (bfloat16): 2 x 36 x 8 x 128 x 2 = 147456
+    ("qwen3-vl-8b-instruct", {}, 147456, 147456),
+    # --kv-cache-dtype fp8: 2 x 36 x 8 x 128 x 1 = 73728
+    ("qwen3-vl-8b-instruct", {"kv_cache_dtype": "fp8"}, 73728, 73728),
+    # Llama-4-Scout-17B-16E-Instruct: 48 layers; no_rope_layers empty -> every 4th layer NoPE
+    # (12 full), the other 36 chunked local attention (chunk 8192). Per layer 2 x 8 x 128 x 2 =
+    # 4096 B. Group size min(12, 36) = 12 (36 >= 1.5 x 12): 1 full + 3 chunked groups of 12, no
+    # padding: acct 4 x 12 x 4096 = 196608 = phys 48 x 4096
+    ("llama-4-scout-17b-16e-instruct", {}, 196608, 196608),
+    # tp=8: 1 KV head per GPU: 2 x 48 x 1 x 128 x 2 = 24576; tp=4: 2 heads, 2 x 48 x 2 x 128 x 2
+    # = 49152
+    ("llama-4-scout-17b-16e-instruct", {"tp": 8}, 24576, 24576),
+    ("llama-4-scout-17b-16e-instruct", {"tp": 4}, 49152, 49152),
+    # Gemma-3-27b-it as published (text_config relies on Gemma3TextConfig defaults): the same
+    # geometry as gemma-3-27b above: acct 7 groups x 10 x 8192 = 573440, phys 62 x 8192 = 507904
+    ("gemma-3-27b-it", {}, 573440, 507904),
+    # Mistral-Small-3.1-24B-Instruct-2503 (Mistral 3): text_config 40 layers, 8 KV heads,
+    # head_dim 128 (not 5120 / 32 = 160), sliding_window null: 2 x 40 x 8 x 128 x 2 = 163840
+    ("mistral-small-3.1-24b-instruct-2503", {}, 163840, 163840),
+    # tp=2: 4 KV heads per GPU: 2 x 40 x 4 x 128 x 2 = 81920
+    ("mistral-small-3.1-24b-instruct-2503", {"tp": 2}, 81920, 81920),
 ]
 
 
@@ -168,6 +201,10 @@ def test_every_fixture_config_is_in_the_table() -> None:
         ("gemma-3-27b", 16, 128),  # nested under text_config; not 5376 / 32 = 168
         ("gpt2", 12, 64),  # GPT-2 names: n_head, n_embd
         ("deepseek-v3", 1, 576),  # MLA: one latent "head" of kv_lora_rank + qk_rope_head_dim
+        ("qwen2.5-vl-7b-instruct", 4, 128),  # flat: 3584 / 28, not the vision tower's 1280 / 16
+        ("qwen3-vl-8b-instruct", 8, 128),  # text_config, not the vision tower's 16 heads
+        ("llama-4-scout-17b-16e-instruct", 8, 128),
+        ("mistral-small-3.1-24b-instruct-2503", 8, 128),  # not 5120 / 32 = 160, not pixtral's 64
     ],
 )
 def test_heads_and_head_size(name: str, kv_heads_per_gpu: int, head_dim: int) -> None:
@@ -353,3 +390,138 @@ def test_capacity_divides_free_memory_by_block_bytes() -> None:
     assert plan.num_blocks == 23040
     assert plan.kv_cache_tokens == 368640
     assert plan.max_concurrency == 45.0  # 23040 / (8192 tokens = 512 blocks)
+
+
+# ---------------------------------------------------------------- multimodal configs
+# vLLM reads a multimodal model through hf_config.get_text_config(): layers, heads, windows and
+# chunks come from text_config; the vision tower (its own `num_hidden_layers` / `depth`) holds
+# no KV cache. Its weights do share the GPU, so they enter the weight estimate.
+
+
+def test_vision_tower_layers_are_not_kv_layers() -> None:
+    for name, text_layers in [
+        ("qwen2.5-vl-7b-instruct", 28),  # vision depth 32
+        ("qwen3-vl-8b-instruct", 36),  # vision depth 27
+        ("llama-4-scout-17b-16e-instruct", 48),  # vision 34 layers
+        ("gemma-3-27b-it", 62),  # SigLIP 27 layers
+        ("mistral-small-3.1-24b-instruct-2503", 40),  # Pixtral 24 layers
+    ]:
+        assert model_shape(config(name)).num_layers == text_layers
+
+
+def test_published_and_resaved_qwen25_vl_read_the_same() -> None:
+    flat = layout("qwen2.5-vl-7b-instruct")
+    nested = layout("qwen2.5-vl-7b-instruct-resaved")
+    assert flat == nested
+    assert groups_of(flat) == [("full", 28)]  # use_sliding_window false: no sliding layer
+
+
+def test_dtype_is_read_where_vllm_reads_it() -> None:
+    # ModelArchConfigConvertorBase.get_torch_dtype: the top level, then text_config, then
+    # vision_config. The re-saved Qwen2.5-VL says bfloat16 at the top and float32 in both
+    # sub-configs; Qwen3-VL-8B has its dtype only in text_config.
+    assert model_shape(config("qwen2.5-vl-7b-instruct-resaved")).config_dtype == "bfloat16"
+    assert model_shape(config("qwen3-vl-8b-instruct")).config_dtype == "bfloat16"
+    vision_only = {
+        **config("qwen3-vl-8b-instruct"),
+        "text_config": {k: v for k, v in config("qwen3-vl-8b-instruct")["text_config"].items() if k != "dtype"},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "dtype": "float16"},
+    }
+    assert model_shape(vision_only).config_dtype == "float16"
+    # float16 KV: 2 B per element as for bf16, 2 x 36 x 8 x 128 x 2 = 147456
+    assert kv_cache_layout(model_shape(vision_only)).bytes_per_token == 147456
+
+
+def test_gemma3_published_config_takes_transformers_defaults() -> None:
+    # google/gemma-3-27b-it's text_config has no max_position_embeddings, vocab_size or
+    # sliding_window_pattern: Gemma3TextConfig supplies 131072, 262208 and 6, as vLLM sees them.
+    shape = model_shape(config("gemma-3-27b-it"))
+    assert shape.max_position_embeddings == 131072
+    assert shape.layer_kinds.count(LayerKind.FULL) == 10  # layers 5, 11, .., 59: (i + 1) % 6 == 0
+    assert layout("gemma-3-27b-it") == layout("gemma-3-27b")
+
+
+def test_vision_tower_weights_are_counted() -> None:
+    # SigLIP in gemma-3-27b-it: 27 blocks x (attention 4 x 1152^2 + MLP 2 x 1152 x 4304)
+    # = 27 x (5308416 + 9916416) = 411070464 parameters (gelu: two MLP matrices).
+    with_tower = model_shape(config("gemma-3-27b-it")).parameter_count
+    text_only = {k: v for k, v in config("gemma-3-27b-it").items() if k != "vision_config"}
+    assert with_tower - model_shape(text_only).parameter_count == 411070464
+    # Qwen2.5-VL's tower is gated (silu): 32 x (4 x 1280^2 + 3 x 1280 x 3420)
+    # = 32 x (6553600 + 13132800) = 629964800
+    flat = config("qwen2.5-vl-7b-instruct")
+    no_tower = {k: v for k, v in flat.items() if k != "vision_config"}
+    assert model_shape(flat).parameter_count - model_shape(no_tower).parameter_count == 629964800
+
+
+# Llama 4 in vLLM 0.32: Llama4Attention uses ChunkedLocalAttention on its RoPE layers
+# (no_rope_layers[i] == 1) when the config has attention_chunk_size; the NoPE layers attend to
+# everything. The hybrid allocator stays on for it by default
+# (VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1), so the 36 chunked layers form their own
+# groups, and a chunked group holds at most cdiv(chunk + in-flight tokens, block size) blocks
+# (ChunkedLocalAttentionSpec.max_admission_blocks_per_request).
+
+
+def test_llama4_groups_twelve_full_and_three_chunked() -> None:
+    result = layout("llama-4-scout-17b-16e-instruct")
+    assert groups_of(result) == [("chunked", 12)] * 3 + [("full", 12)]
+    assert result.attention_chunk_size == 8192
+    assert result.bytes_per_block == 12 * 4096 * 16  # 12 pages of 16 tokens x 4096 B
+    kinds = model_shape(config("llama-4-scout-17b-16e-instruct")).layer_kinds
+    assert [i for i, kind in enumerate(kinds) if kind is LayerKind.FULL] == list(range(3, 48, 4))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "flags", "expected"),
+    [
+        # 100000 tokens: full group ceil(100000 / 16) = 6250; each chunked group
+        # ceil(min(8192 + 2048, 100000) / 16) = 640: 6250 + 3 x 640
+        (100_000, {}, 6250 + 3 * 640),
+        # shorter than a chunk plus the in-flight tokens: every group holds ceil(5000 / 16) = 313
+        (5000, {}, 4 * 313),
+        # 10240 = 8192 + 2048 exactly: 640 blocks in every group
+        (10240, {}, 4 * 640),
+        # with 8192 tokens in flight: ceil(min(16384, 100000) / 16) = 1024 per chunked group
+        (100_000, {"max_num_batched_tokens": 8192}, 6250 + 3 * 1024),
+        # block size 64: ceil(100000 / 64) = 1563 + 3 x ceil(10240 / 64) = 3 x 160
+        (100_000, {"block_size": 64}, 1563 + 3 * 160),
+    ],
+)
+def test_llama4_chunked_groups_stop_growing_at_a_chunk(
+    tokens: int, flags: dict[str, Any], expected: int
+) -> None:
+    assert request_blocks(layout("llama-4-scout-17b-16e-instruct", **flags), tokens) == expected
+
+
+def test_llama4_startup_concurrency_charges_one_chunk_per_chunked_group() -> None:
+    # max_model_len 131072: a request is charged ceil(131072 / 16) = 8192 full blocks plus
+    # 3 x ceil(min(8192 + 2048, 131072) / 16) = 3 x 640: 10112 blocks; 101120 blocks hold 10.
+    plan = capacity_plan(
+        layout("llama-4-scout-17b-16e-instruct"), max_model_len=131072, num_blocks_override=101120
+    )
+    assert plan.max_concurrency == 10.0
+    assert plan.kv_cache_tokens == 1310720
+
+
+def test_llama4_without_chunking_is_all_full_attention() -> None:
+    # An explicit null turns chunking off (the EAGLE drafter for Scout ships that): 48 full
+    # layers in one group, and a request holds ceil(100000 / 16) = 6250 blocks.
+    scout = config("llama-4-scout-17b-16e-instruct")
+    off = {**scout, "text_config": {**scout["text_config"], "attention_chunk_size": None}}
+    result = kv_cache_layout(model_shape(off))
+    assert groups_of(result) == [("full", 48)]
+    assert request_blocks(result, 100_000) == 6250
+    # Left out, transformers' Llama4TextConfig supplies 8192: the same as the published file.
+    absent = {**scout, "text_config": {k: v for k, v in scout["text_config"].items() if k != "attention_chunk_size"}}
+    assert kv_cache_layout(model_shape(absent)) == layout("llama-4-scout-17b-16e-instruct")
+
+
+def test_llama4_explicit_no_rope_layers_match_the_default() -> None:
+    # A text-only Scout fine-tune (vllm-project/vllm issue "Llama4 always go OOM when using
+    # LLama4ForCausalLM") spells the list out: 1, 1, 1, 0 repeated.
+    scout = config("llama-4-scout-17b-16e-instruct")
+    spelled = {**scout, "text_config": {**scout["text_config"], "no_rope_layers": [1, 1, 1, 0] * 12}}
+    assert kv_cache_layout(model_shape(spelled)) == layout("llama-4-scout-17b-16e-instruct")
+    # every 2nd layer NoPE: 24 full + 24 chunked, two groups of 24
+    halves = {**scout, "text_config": {**scout["text_config"], "no_rope_layers": [1, 0] * 24}}
+    assert groups_of(kv_cache_layout(model_shape(halves))) == [("chunked", 24), ("full", 24)]
