@@ -123,3 +123,80 @@ def test_impossible_requests_are_refused(
 def test_missing_model_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvgate(["estimate", "no-such-org/no-such-model"]) == 2
     assert "never downloads" in capsys.readouterr().err
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "bytes_per_token", "groups"),
+    [
+        # the arithmetic is in test_kv_models.py's BYTES_PER_TOKEN
+        ("qwen2.5-vl-7b-instruct", 57344, ["full"]),
+        ("qwen2.5-vl-7b-instruct-resaved", 57344, ["full"]),
+        ("qwen3-vl-8b-instruct", 147456, ["full"]),
+        ("llama-4-scout-17b-16e-instruct", 196608, ["chunked", "chunked", "chunked", "full"]),
+        ("gemma-3-27b-it", 573440, ["sliding"] * 6 + ["full"]),
+        ("mistral-small-3.1-24b-instruct-2503", 163840, ["full"]),
+    ],
+)
+def test_multimodal_configs_are_estimated(
+    fixture: str, bytes_per_token: int, groups: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(CONFIGS / f"{fixture}.json")
+    assert kvgate(["estimate", path, "--gpu-memory-gib", "80", "--tp", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kv_bytes_per_token"] * 4 == bytes_per_token  # tp 4 splits 4 or more KV heads
+    assert sorted(result["kv_groups"]) == sorted(groups)
+    assert result["num_blocks"] > 0
+    assert kvgate(["estimate", path, "--prompt-tokens", "1000", "--max-tokens", "200"]) == 0
+    assert "request blocks" in capsys.readouterr().out
+
+
+def test_gemma3_it_context_comes_from_transformers_default(capsys: pytest.CaptureFixture[str]) -> None:
+    # The published text_config has no max_position_embeddings; Gemma3TextConfig says 131072,
+    # and vLLM does not scale Gemma 3's by its rope factor. A 100000-token request then fits:
+    # full group ceil(101000 / 16) = 6313 + 6 sliding groups x (ceil((1023 + 2048) / 16) + 1) = 193
+    path = str(CONFIGS / "gemma-3-27b-it.json")
+    assert kvgate(["estimate", path, "--prompt-tokens", "100000", "--max-tokens", "1000", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["max_model_len"] == 131072
+    assert result["request_blocks"] == 6313 + 6 * 193
+
+
+def test_llama4_table_names_the_chunk(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvgate(["estimate", str(CONFIGS / "llama-4-scout-17b-16e-instruct.json")]) == 0
+    assert "chunked, chunked, chunked, full (attention chunk 8192)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text_config", "path"),
+    [
+        ({"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16}, "text_config.hidden_size"),
+        ({"num_hidden_layers": 2, "num_attention_heads": 4}, "text_config.hidden_size"),
+        ({"num_hidden_layers": 2, "hidden_size": 64}, "text_config.num_attention_heads"),
+        ({"num_attention_heads": 4, "hidden_size": 64}, "text_config.num_hidden_layers"),
+    ],
+)
+def test_text_config_missing_a_field_is_one_line_and_exit_2(
+    tmp_path: Path, text_config: dict[str, object], path: str
+) -> None:
+    # A vision tower with every field does not stand in for the text model's.
+    config = {
+        "model_type": "qwen3_vl",
+        "text_config": text_config,
+        "vision_config": {"depth": 27, "hidden_size": 1152, "num_attention_heads": 16},
+        "torch_dtype": "bfloat16",
+    }
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "estimate", str(file)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert path in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in done.stderr

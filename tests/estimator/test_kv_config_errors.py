@@ -58,6 +58,39 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
         {},
         "num_attention_heads",
     ),
+    (
+        "text_config without a layer count",
+        {"model_type": "qwen3_vl", "text_config": without(LLAMA, "num_hidden_layers")},
+        {},
+        "num_hidden_layers",
+    ),
+    (
+        "text_config without hidden size (the vision tower's does not stand in)",
+        {
+            "model_type": "qwen3_vl",
+            "text_config": {**without(LLAMA, "hidden_size"), "head_dim": 128},
+            "vision_config": {"depth": 27, "hidden_size": 1152},
+            "hidden_size": 4096,
+        },
+        {},
+        "hidden_size",
+    ),
+    ("text_config not an object", {"model_type": "llava", "text_config": "llama"}, {}, "text_config"),
+    (
+        "Llama 4 no_rope_layers too short",
+        {
+            "model_type": "llama4",
+            "text_config": {**LLAMA, "model_type": "llama4_text", "no_rope_layers": [1, 1, 1, 0]},
+        },
+        {},
+        "no_rope_layers",
+    ),
+    (
+        "Llama 4 chunk size as text",
+        {"model_type": "llama4", "text_config": {**LLAMA, "attention_chunk_size": "8k"}},
+        {},
+        "attention_chunk_size",
+    ),
     ("unknown model dtype", {**LLAMA, "torch_dtype": "int4"}, {}, "dtype"),
     ("unknown --kv-cache-dtype", LLAMA, {"kv_cache_dtype": "fp4"}, "dtype"),
     ("unknown --dtype", LLAMA, {"dtype": "float64"}, "dtype"),
@@ -80,3 +113,31 @@ def test_the_good_configs_behind_the_table_are_accepted() -> None:
     # The cases above break one thing each; unbroken, both build a layout.
     assert kv_cache_layout(model_shape(LLAMA)).bytes_per_token == 2 * 32 * 8 * 128 * 2
     assert kv_cache_layout(model_shape(DEEPSEEK)).bytes_per_token == 61 * 576 * 2
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        (
+            {"model_type": "gemma3", "text_config": without(LLAMA, "num_attention_heads")},
+            "text_config.num_attention_heads",
+        ),
+        ({"model_type": "mistral3", "text_config": without(LLAMA, "hidden_size")}, "text_config.hidden_size"),
+        (
+            {"model_type": "qwen3_vl", "text_config": {**LLAMA, "num_hidden_layers": 0}},
+            "text_config.num_hidden_layers",
+        ),
+        (
+            {"model_type": "gemma3", "text_config": {**LLAMA, "layer_types": ["full_attention"]}},
+            "text_config.layer_types",
+        ),
+        ({"model_type": "gemma3", "text_config": {**LLAMA, "hidden_size": 4100}}, "text_config.head_dim"),
+        (without(LLAMA, "hidden_size"), "'hidden_size'"),  # a flat config names the bare field
+    ],
+)
+def test_a_text_config_error_names_the_nested_field(config: dict[str, Any], path: str) -> None:
+    # The file nests the field under text_config, so that is where the message points.
+    with pytest.raises(ConfigError) as caught:
+        model_shape(config)
+    assert path in str(caught.value)
+    assert "\n" not in str(caught.value)

@@ -424,7 +424,9 @@ def test_dtype_is_read_where_vllm_reads_it() -> None:
     assert model_shape(config("qwen3-vl-8b-instruct")).config_dtype == "bfloat16"
     vision_only = {
         **config("qwen3-vl-8b-instruct"),
-        "text_config": {k: v for k, v in config("qwen3-vl-8b-instruct")["text_config"].items() if k != "dtype"},
+        "text_config": {
+            k: v for k, v in config("qwen3-vl-8b-instruct")["text_config"].items() if k != "dtype"
+        },
         "vision_config": {"depth": 27, "hidden_size": 1152, "dtype": "float16"},
     }
     assert model_shape(vision_only).config_dtype == "float16"
@@ -512,7 +514,10 @@ def test_llama4_without_chunking_is_all_full_attention() -> None:
     assert groups_of(result) == [("full", 48)]
     assert request_blocks(result, 100_000) == 6250
     # Left out, transformers' Llama4TextConfig supplies 8192: the same as the published file.
-    absent = {**scout, "text_config": {k: v for k, v in scout["text_config"].items() if k != "attention_chunk_size"}}
+    absent = {
+        **scout,
+        "text_config": {k: v for k, v in scout["text_config"].items() if k != "attention_chunk_size"},
+    }
     assert kv_cache_layout(model_shape(absent)) == layout("llama-4-scout-17b-16e-instruct")
 
 
