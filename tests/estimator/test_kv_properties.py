@@ -39,6 +39,7 @@ def configs(draw: st.DrawFn, *, kinds: tuple[str, ...]) -> dict[str, Any]:
         "head_dim": head_dim,
         "hidden_size": heads * head_dim,
         "sliding_window": draw(st.integers(min_value=1, max_value=8192)),
+        "attention_chunk_size": draw(st.sampled_from([64, 1000, 8192])),
         "layer_types": layer_types,
         "torch_dtype": draw(st.sampled_from(["bfloat16", "float16", "float32"])),
     }
@@ -58,7 +59,7 @@ def layouts(draw: st.DrawFn, *, kinds: tuple[str, ...]) -> KVCacheLayout:
 
 
 FULL_ONLY = layouts(kinds=("full_attention",))
-ANY_KIND = layouts(kinds=("full_attention", "sliding_attention", "linear_attention"))
+ANY_KIND = layouts(kinds=("full_attention", "sliding_attention", "chunked_attention", "linear_attention"))
 
 
 @given(tokens=TOKENS, block_size=BLOCK_SIZES)
@@ -91,6 +92,22 @@ def test_sliding_window_groups_stop_growing(layout: KVCacheLayout, tokens: int) 
     assert layout.sliding_window is not None
     cap = blocks_for_tokens(layout.sliding_window - 1 + layout.max_num_batched_tokens, layout.block_size) + 1
     assert request_blocks(layout, tokens) <= len(layout.groups) * cap
+
+
+@given(layout=layouts(kinds=("chunked_attention", "full_attention")), tokens=TOKENS)
+def test_chunked_local_groups_stop_growing_at_a_chunk(layout: KVCacheLayout, tokens: int) -> None:
+    # Llama 4's chunked layers hold at most one chunk plus the tokens in flight per group.
+    full = blocks_for_tokens(tokens, layout.block_size)
+    chunked = sum(1 for group in layout.groups if group.kind is LayerKind.CHUNKED)
+    if chunked:
+        assert layout.attention_chunk_size is not None
+        cap = blocks_for_tokens(
+            layout.attention_chunk_size + layout.max_num_batched_tokens, layout.block_size
+        )
+        others = len(layout.groups) - chunked
+        assert request_blocks(layout, tokens) <= others * full + chunked * min(cap, full)
+    else:
+        assert request_blocks(layout, tokens) == len(layout.groups) * full
 
 
 @given(layout=ANY_KIND)
