@@ -1,11 +1,17 @@
 """Find and read a model's `config.json`: a file, a model folder, or a model id that is already
-in the local Hugging Face cache. Never fetches anything over the network."""
+in the local Hugging Face cache. Never fetches anything over the network.
+
+`load_layout` turns what it finds into the model's KV-group layout, which is what a request's
+blocks in vLLM's shared pool depend on (a hybrid model's request holds blocks in every group).
+Multimodal configs are read through their `text_config` (`estimator.kv.text_config`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from estimator import kv
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -61,3 +67,21 @@ def load_config(config_or_model: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelNotFoundError(f"{path}: a config must be a JSON object")
     return data
+
+
+def load_layout(
+    config_or_model: str,
+    *,
+    block_size: int,
+    max_num_batched_tokens: int = kv.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> kv.KVCacheLayout:
+    """The KV-group layout of a local model for vLLM's `--block-size`, to count request blocks
+    the way vLLM's shared pool does (`estimator.kv.request_blocks`).
+
+    Block counts depend on the groups, the block size, windows and chunks, not on tensor
+    parallelism or dtypes, so those flags are left at their defaults. Raises
+    `ModelNotFoundError` when no config is found and `kv.ConfigError` when it is unusable.
+    Blocking file I/O: call it off the event loop.
+    """
+    shape = kv.model_shape(load_config(config_or_model))
+    return kv.kv_cache_layout(shape, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
