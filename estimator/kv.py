@@ -468,13 +468,16 @@ def _vision_parameter_count(config: Mapping[str, Any]) -> int:
     if not isinstance(vision, Mapping):
         return 0
     section = ConfigSection(vision, "vision_config.")
-    layers = _optional_int(section, ("depth", "num_hidden_layers"))
-    hidden = _optional_int(section, ("hidden_size", "embed_dim"))
+    try:
+        layers = _optional_int(section, ("depth", "num_hidden_layers"))
+        hidden = _optional_int(section, ("hidden_size", "embed_dim"))
+        intermediate = _optional_int(section, ("intermediate_size",))
+    except ConfigError:
+        return 0  # a garbled tower changes no KV figure; the weights are an estimate anyway
     if layers is None or hidden is None:
         return 0
-    intermediate = _optional_int(section, ("intermediate_size",)) or 4 * hidden
     gated = str(vision.get("hidden_act", "")).lower() in {"silu", "swiglu"}
-    return layers * (4 * hidden * hidden + (3 if gated else 2) * hidden * intermediate)
+    return layers * (4 * hidden * hidden + (3 if gated else 2) * hidden * (intermediate or 4 * hidden))
 
 
 def model_shape(config: Mapping[str, Any]) -> ModelShape:

@@ -530,3 +530,12 @@ def test_llama4_explicit_no_rope_layers_match_the_default() -> None:
     # every 2nd layer NoPE: 24 full + 24 chunked, two groups of 24
     halves = {**scout, "text_config": {**scout["text_config"], "no_rope_layers": [1, 0] * 24}}
     assert groups_of(kv_cache_layout(model_shape(halves))) == [("chunked", 24), ("full", 24)]
+
+
+def test_a_garbled_vision_tower_changes_no_kv_figure() -> None:
+    # The tower keeps no KV cache; a nonsense depth only drops it from the weight estimate.
+    name = "qwen3-vl-8b-instruct"
+    garbled = {**config(name), "vision_config": {"depth": "many", "hidden_size": -1}}
+    assert kv_cache_layout(model_shape(garbled)) == layout(name)
+    no_tower = {k: v for k, v in config(name).items() if k != "vision_config"}
+    assert model_shape(garbled).parameter_count == model_shape(no_tower).parameter_count
