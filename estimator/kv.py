@@ -440,8 +440,15 @@ def _parameter_count(
         if cfg.model_type.startswith("llama4"):
             # Llama 4: every `interleave_moe_layer_step`-th layer is MoE with one shared expert
             # of the routed experts' size; the others are dense of `intermediate_size_mlp`.
-            step = _optional_int(cfg, ("interleave_moe_layer_step",)) or 1
-            dense_layers = layers - len(range(step - 1, layers, step))
+            # A step of 0 means no MoE layer at all (vLLM's Llama4DecoderLayer: step > 0).
+            step = cfg.get("interleave_moe_layer_step", 1)
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ConfigError(
+                    "interleave_moe_layer_step",
+                    f"config field '{cfg.path('interleave_moe_layer_step')}' must be a whole number, "
+                    f"got {step!r}",
+                )
+            dense_layers = layers - (len(range(step - 1, layers, step)) if step else 0)
             shared_size = expert_size
             dense_size = _optional_int(cfg, ("intermediate_size_mlp",)) or intermediate
         moe_layers = layers - dense_layers

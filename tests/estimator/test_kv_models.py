@@ -26,6 +26,7 @@ from estimator.kv import (
 )
 
 CONFIGS = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
+VLLM_FIXTURES = CONFIGS.parent / "vllm"
 
 
 @cache
@@ -169,6 +170,9 @@ BYTES_PER_TOKEN: list[tuple[str, dict[str, Any], int, int]] = [
     ("mistral-small-3.1-24b-instruct-2503", {}, 163840, 163840),
     # tp=2: 4 KV heads per GPU: 2 x 40 x 4 x 128 x 2 = 81920
     ("mistral-small-3.1-24b-instruct-2503", {"tp": 2}, 81920, 81920),
+    # The tiny random Llama 4 served for real (see test_tiny_llama4_*): 8 layers, 6 chunked + 2
+    # full, groups of 2, per layer 2 x 2 KV heads x 64 x 2 = 512 B: 4 x 2 x 512 = 4096 = 8 x 512
+    ("tiny-llama4", {}, 4096, 4096),
 ]
 
 
@@ -539,3 +543,42 @@ def test_a_garbled_vision_tower_changes_no_kv_figure() -> None:
     assert kv_cache_layout(model_shape(garbled)) == layout(name)
     no_tower = {k: v for k, v in config(name).items() if k != "vision_config"}
     assert model_shape(garbled).parameter_count == model_shape(no_tower).parameter_count
+
+
+# ---------------------------------------------------------------- the real vLLM, Llama 4 chunks
+# A tiny random Llama4ForCausalLM (tests/fixtures/configs/tiny-llama4.json: 8 layers, chunk 64,
+# every 4th layer NoPE) served by vLLM 0.32.0 on CPU; SOURCES.md says how it was built and run.
+
+
+def test_tiny_llama4_startup_log_is_reproduced_exactly() -> None:
+    log = (VLLM_FIXTURES / "startup_tiny_llama4_chunked_0.32.0.log").read_text()
+    # "kv cache group sizes (32, 32, 32, 32)": four groups, as the chunked grouping predicts
+    assert "kv cache group sizes (32, 32, 32, 32)" in log
+    tiny = layout("tiny-llama4", block_size=32, max_num_batched_tokens=64)
+    assert groups_of(tiny) == [("chunked", 2)] * 3 + [("full", 2)]
+    # "Explicitly set (1.0/...) GiB", "Overriding num_gpu_blocks=32768": a block id is 2 layers x
+    # 32 tokens x 512 B = 32768 B, so 1 GiB holds 32768 (one group of 8 layers would give 8192)
+    assert "num_gpu_blocks=32768" in log
+    sized = capacity_plan(tiny, max_model_len=1024, gpu_memory_gib=1.0, gpu_memory_utilization=1.0)
+    assert sized.num_blocks == 32768
+    # "CPU KV cache size: 1,489 tokens, Maximum concurrency for 1,024 tokens per request: 1.45x":
+    # a request is charged 32 full blocks + 3 x ceil(min(64 + 64, 1024) / 32) = 44; 64 / 44 = 1.45
+    assert "1,489 tokens" in log
+    assert "1.45x" in log
+    overridden = capacity_plan(tiny, max_model_len=1024, num_blocks_override=64)
+    assert overridden.kv_cache_tokens == 1489
+    assert round(overridden.max_concurrency, 2) == 1.45
+
+
+def test_tiny_llama4_reservation_covers_what_vllm_held() -> None:
+    # Measured peaks (fixture): vLLM held full ceil(T / 32) + 3 x the blocks of the current
+    # chunk. kvgate reserves full + 3 x ceil(min(64 + 64, T) / 32), never less than that; the plain
+    # ceiling (one group) is below what vLLM held every time.
+    peaks = json.loads((VLLM_FIXTURES / "tiny_llama4_chunked_peaks_0.32.0.json").read_text())
+    tiny = layout("tiny-llama4", block_size=32, max_num_batched_tokens=64)
+    for request in peaks["requests"]:
+        tokens = request["prompt_tokens"] + request["completion_tokens"]
+        assert round(request["peak_kv_cache_usage_perc"] * peaks["usable_blocks"]) == request["peak_blocks"]
+        assert request_blocks(tiny, tokens) >= request["peak_blocks"] > blocks_for_tokens(tokens, 32)
+    # 100 tokens: reserve 4 + 3 x 4 = 16 for the 10 held; 900: 29 + 3 x 4 = 41 for the 34 held
+    assert [request_blocks(tiny, t) for t in (100, 500, 900)] == [16, 28, 41]
