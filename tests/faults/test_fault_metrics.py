@@ -75,7 +75,7 @@ def assert_serves(kvgate: Served) -> None:
 @pytest.mark.parametrize(
     ("faults", "reason"),
     [
-        pytest.param({"metrics_delay_s": 0.6}, "ReadTimeout", id="slow"),
+        pytest.param({"metrics_delay_s": 0.6}, "timed out waiting for the response headers", id="slow"),
         pytest.param({"metrics_mode": "malformed"}, "malformed", id="malformed"),
         pytest.param({"metrics_mode": "missing", "metrics_status": 404}, "404", id="missing-404"),
         pytest.param({"metrics_mode": "missing", "metrics_status": 500}, "500", id="missing-500"),
