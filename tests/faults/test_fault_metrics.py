@@ -1,5 +1,6 @@
 """The backend's /metrics misbehaves: slow, frozen, malformed, missing, without the pool size,
-or reporting another pool after a restart.
+or reporting another pool after a restart; or it is hostile: it trickles, is huge, is cut,
+binary, an HTML page, or carries absurd values (a fake backend on raw sockets, hostile_metrics).
 
 What must happen: kvgate never crashes; an unknown budget counts as saturated (nothing new is
 admitted, /readyz says why, new arrivals get 503 + Retry-After, queued requests wait); the
@@ -25,6 +26,7 @@ from faultkit import (
     set_faults,
     sim_state,
 )
+from hostile_metrics import HostileMetrics, hostile_metrics
 
 from sim.config import SimConfig
 from sim.testing import SimServer, running_sim_server
@@ -191,3 +193,106 @@ def test_a_restarted_backend_with_another_pool_is_followed(kvgate: Served, sim: 
     assert most_admitted_of_two_hogs() == 2
     assert sim_state(sim.url)["num_preemptions_total"] == 0, sim_state(sim.url)
     kvgate.wait_until(gateway_idle, what="the ledger to balance")
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileMetrics]:
+    with hostile_metrics() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def guarded(hostile: HostileMetrics) -> Iterator[Served]:
+    # Each scrape gets 3 s in all (enough for 16 MiB on a loaded machine); the trickle's bytes
+    # come every 0.1 s, so no single read ever waits long enough to time out.
+    with served_gateway(hostile.url, metrics_timeout_s=3.0) as served:
+        yield served
+
+
+def scrape_failures(kvgate: Served) -> float:
+    text = httpx.get(f"{kvgate.url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("kvgate_backend_scrape_failures_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+HOSTILE = [
+    pytest.param("trickle", None, "timed out reading the body", id="trickle"),
+    pytest.param("huge", None, "larger than 16777216 bytes", id="100-MB"),
+    pytest.param("huge-declared", None, "larger than 16777216 bytes (104857600)", id="100-MB-declared"),
+    pytest.param("cut", None, "RemoteProtocolError", id="closed-mid-body"),
+    pytest.param("garbage", None, "cache_config_info", id="binary-garbage"),
+    pytest.param("html", None, "text/html, not Prometheus text", id="html"),
+    pytest.param("html-as-text", None, "cache_config_info", id="html-as-text-plain"),
+    pytest.param("gzip", None, "compressed (gzip)", id="gzip"),
+    pytest.param(
+        "absurd", (r'num_gpu_blocks="64"', 'num_gpu_blocks="1e308"'), "num_gpu_blocks", id="blocks-1e308"
+    ),
+    pytest.param(
+        "absurd", (r'num_gpu_blocks="64"', f'num_gpu_blocks="{2**70}"'), "num_gpu_blocks", id="blocks-2**70"
+    ),
+    pytest.param(
+        "absurd",
+        (r'kv_cache_size_tokens="2048"', 'kv_cache_size_tokens="inf"'),
+        "kv_cache_size_tokens",
+        id="tokens-inf",
+    ),
+    pytest.param("absurd", (r'block_size="32"', 'block_size="0"'), "block_size", id="block-size-0"),
+    pytest.param("absurd", (r'block_size="32"', 'block_size="32.5"'), "block_size", id="block-size-32.5"),
+    pytest.param(
+        "absurd",
+        (r"(vllm:kv_cache_usage_perc\{[^}]*\}) \S+", r"\1 +Inf"),
+        "vllm:kv_cache_usage_perc",
+        id="usage-inf",
+    ),
+    pytest.param(
+        "absurd",
+        (r"(vllm:kv_cache_usage_perc\{[^}]*\}) \S+", r"\1 7.5"),
+        "vllm:kv_cache_usage_perc",
+        id="usage-7.5",
+    ),
+    pytest.param(
+        "absurd",
+        (r"(vllm:num_requests_running\{[^}]*\}) \S+", r"\1 1e308"),
+        "vllm:num_requests_running",
+        id="running-1e308",
+    ),
+    pytest.param(
+        "absurd",
+        (r"(vllm:num_preemptions_total\{[^}]*\}) \S+", r"\1 NaN"),
+        "vllm:num_preemptions_total",
+        id="preemptions-nan",
+    ),
+    pytest.param(
+        "absurd",
+        (r"vllm:cache_config_info\{", 'vllm:cache_config_info{junk="' + "x" * (1 << 20) + '",'),
+        "a line of vllm:cache_config_info is longer than 16384 bytes",
+        id="label-of-a-megabyte",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mode", "absurd", "reason"), HOSTILE)
+def test_hostile_metrics_mean_saturated_and_the_poller_goes_on(
+    guarded: Served, hostile: HostileMetrics, mode: str, absurd: tuple[str, str] | None, reason: str
+) -> None:
+    hostile.mode = "good"
+    poll_until(lambda: readyz(guarded)[0] == 200, what="the budget to be fresh")
+    failures = scrape_failures(guarded)
+    if absurd is not None:
+        hostile.absurd = absurd
+    hostile.mode = mode
+    poll_until(
+        lambda: (lambda answer: answer[0] == 503 and reason in answer[1])(readyz(guarded)),
+        what=f"/readyz to turn false naming {reason!r}",
+    )
+    assert guarded.call(lambda: guarded.gateway.snapshot().known) is False  # unknown: saturated
+    assert_refused_as_unknown(guarded)
+    assert httpx.get(f"{guarded.url}/healthz", timeout=5).status_code == 200
+    assert scrape_failures(guarded) > failures  # counted in kvgate's own metrics
+    # The poller goes on: the next good text is read.
+    hostile.mode = "good"
+    poll_until(lambda: readyz(guarded)[0] == 200, what="the budget to recover")
+    assert guarded.call(lambda: guarded.gateway.snapshot().total_blocks) == 63
+    assert hostile.url not in readyz(guarded)[1]
