@@ -9,7 +9,10 @@ budget rebuilds itself from the first sane scrape, and follows a pool that chang
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +31,10 @@ from faultkit import (
 )
 from hostile_metrics import HostileMetrics, hostile_metrics
 
+from gateway.budget import MetricsPoller
+from gateway.capacity import BudgetState, CapacityConfig, KvBudget, Reconciliation
+from gateway.ledger import InMemoryLedger
+from gateway.vllm_metrics import BackendReading
 from sim.config import SimConfig
 from sim.testing import SimServer, running_sim_server
 
@@ -296,3 +303,178 @@ def test_hostile_metrics_mean_saturated_and_the_poller_goes_on(
     poll_until(lambda: readyz(guarded)[0] == 200, what="the budget to recover")
     assert guarded.call(lambda: guarded.gateway.snapshot().total_blocks) == 63
     assert hostile.url not in readyz(guarded)[1]
+
+
+# -- the poller itself: it survives every failure, and never ends unnoticed --------------------
+
+CAPACITY = CapacityConfig(
+    stale_after_s=0.5,
+    settle_s=0.05,
+    unknown_is_saturated=True,
+    down_after_failures=2,
+    min_fraction=0.5,
+    max_fraction=1.0,
+    initial_fraction=1.0,
+    decrease_factor=0.8,
+    increase_per_s=0.02,
+    quiet_s=5.0,
+    decrease_cooldown_s=2.0,
+)
+
+
+class Fatal(BaseException):
+    """Not an Exception: what no `except Exception` takes, so the poller's task ends with it."""
+
+
+class Scripted:
+    """What the poller's parts do on their n-th call (0-based): raise the given exception."""
+
+    def __init__(self, faults: dict[int, BaseException]) -> None:
+        self.calls = 0
+        self._faults = faults
+
+    def __call__(self) -> None:
+        call, self.calls = self.calls, self.calls + 1
+        if call in self._faults:
+            raise self._faults[call]
+
+
+class FaultyBudget(KvBudget):
+    """A budget whose observe raises on the calls `faults` names (a bug in the closed loop)."""
+
+    def __init__(self, faults: dict[int, BaseException]) -> None:
+        super().__init__(CAPACITY, InMemoryLedger())
+        self.script = Scripted(faults)
+
+    def observe(
+        self, reading: BackendReading, started_at: float, now: float, *, waiting: bool = False
+    ) -> Reconciliation | None:
+        self.script()
+        return super().observe(reading, started_at, now, waiting=waiting)
+
+
+async def run_poller(
+    url: str,
+    budget: KvBudget,
+    *,
+    until: Callable[[list[Reconciliation | None]], bool],
+    clock: Callable[[], float] = time.monotonic,
+    on_update: Callable[[], None] = lambda: None,
+) -> tuple[MetricsPoller, list[Reconciliation | None]]:
+    """Run a poller against `url` until `until(results so far)` holds; then stop it."""
+    results: list[Reconciliation | None] = []
+    done = asyncio.Event()
+
+    def record(result: Reconciliation | None) -> None:
+        results.append(result)
+        if until(results):
+            done.set()
+        on_update()
+
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(
+            client=client,
+            url=f"{url}/metrics",
+            budget=budget,
+            clock=clock,
+            interval_s=0.01,
+            timeout_s=2.0,
+            on_update=record,
+        )
+        task = asyncio.create_task(poller.run())
+        try:
+            async with asyncio.timeout(20):
+                await done.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return poller, results
+
+
+def recovered(results: list[Reconciliation | None]) -> bool:
+    return None in results and results[-1] is not None
+
+
+async def test_a_budget_that_raises_is_a_failed_scrape_and_the_poller_goes_on(
+    hostile: HostileMetrics,
+) -> None:
+    hostile.mode = "good"
+    budget = FaultyBudget({1: RuntimeError("a bug in the closed loop"), 2: OverflowError("int too large")})
+    poller, results = await run_poller(hostile.url, budget, until=recovered)
+    assert results[:4] == [results[0], None, None, results[3]]
+    assert poller.failures == 2
+    assert budget.state(time.monotonic()) is BudgetState.STALE  # stopped by the test: see below
+    assert "the metrics poller was stopped" in budget.snapshot(time.monotonic()).detail
+
+
+async def test_the_last_unforeseen_error_is_what_the_budget_shows(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    budget = FaultyBudget({n: ZeroDivisionError("division by zero") for n in range(1, 1000)})
+    poller, results = await run_poller(hostile.url, budget, until=lambda r: len(r) >= 3)
+    assert results[1:] == [None] * (len(results) - 1)
+    assert budget.last_error == "unexpected ZeroDivisionError: division by zero"
+    assert poller.failures == len(results) - 1
+
+
+async def test_an_on_update_that_raises_does_not_stop_the_poller(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    script = Scripted({0: RuntimeError("the queue's pump failed"), 1: KeyError("x")})
+    _, results = await run_poller(
+        hostile.url, KvBudget(CAPACITY, InMemoryLedger()), until=lambda r: len(r) >= 4, on_update=script
+    )
+    assert all(result is not None for result in results)
+    assert script.calls >= 4
+
+
+async def test_a_failure_outside_any_scrape_restarts_the_loop(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    script = Scripted({0: RuntimeError("the clock broke")})  # the loop's first reading of it
+
+    def clock() -> float:
+        script()
+        return time.monotonic()
+
+    budget = KvBudget(CAPACITY, InMemoryLedger())
+    poller, results = await run_poller(hostile.url, budget, until=lambda r: len(r) >= 2, clock=clock)
+    assert poller.failures == 1  # counted, then scraped as ever
+    assert all(result is not None for result in results)
+
+
+async def test_a_poller_task_that_dies_anyway_leaves_the_budget_unknown_saying_why(
+    hostile: HostileMetrics,
+) -> None:
+    hostile.mode = "good"
+    budget = FaultyBudget({2: Fatal("out of everything")})
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(
+            client=client,
+            url=f"{hostile.url}/metrics",
+            budget=budget,
+            clock=time.monotonic,
+            interval_s=0.01,
+            timeout_s=2.0,
+            on_update=lambda _: None,
+        )
+        task = asyncio.create_task(poller.run())
+        with pytest.raises(Fatal):
+            await task
+    snapshot = budget.snapshot(time.monotonic())
+    assert (snapshot.state, snapshot.known) == (BudgetState.STALE, False)
+    assert "the metrics poller died: Fatal: out of everything" in snapshot.detail
+
+
+def test_a_gateway_whose_poller_stopped_is_not_ready_and_says_so(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    with served_gateway(hostile.url) as kvgate:
+        poll_until(lambda: readyz(kvgate)[0] == 200, what="the budget to be fresh")
+
+        def stop_the_poller() -> None:
+            for task in asyncio.all_tasks():
+                if task.get_name().startswith("kvgate-metrics-"):
+                    task.cancel()
+
+        kvgate.call(stop_the_poller)
+        poll_until(lambda: readyz(kvgate)[0] == 503, what="/readyz to turn false")
+        assert "the metrics poller was stopped" in readyz(kvgate)[1]
+        assert_refused_as_unknown(kvgate)
