@@ -291,10 +291,13 @@ class MetricsPoller:
         return await asyncio.to_thread(body.reading)
 
     def _fail(self, message: str, *, unreachable: bool, exc: BaseException | None = None) -> None:
-        # /readyz shows the message: whatever a foreign library put in it, not the address.
-        message = message.replace(self._url, "/metrics")
+        message = self._scrub(message)
         self._count_failure(message, exc)
         self._budget.observe_failure(message, unreachable=unreachable, now=self._clock())
+
+    def _scrub(self, message: str) -> str:
+        """/readyz shows the message: whatever a foreign library put in it, not the address."""
+        return message.replace(self._url, "/metrics")
 
     def _count_failure(self, message: str, exc: BaseException | None = None) -> None:
         self.failures += 1
@@ -316,7 +319,7 @@ class MetricsPoller:
             try:
                 await self._poll_forever()
             except Exception as exc:  # not a scrape's failure (poll_once takes those): a bug
-                message = f"the metrics poller failed: {type(exc).__name__}: {exc}"
+                message = self._scrub(f"the metrics poller failed: {type(exc).__name__}: {exc}")
                 self._count_failure(message, exc)
                 with contextlib.suppress(Exception):  # the clock may be what failed
                     self._budget.observe_failure(message, unreachable=False, now=self._clock())

@@ -45,6 +45,7 @@ class HostileMetrics:
     def __init__(self) -> None:
         self.mode = "good"
         self.absurd: tuple[str, str] = ("", "")
+        self.extra = ""  # appended to the good text
         self.scrapes = 0
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -105,7 +106,7 @@ class HostileMetrics:
             return await _send(writer, b"not found", "text/plain", status="404 Not Found")
         self.scrapes += 1
         # Every scrape differs, as a live vLLM's does (its process metrics move).
-        good = FIXTURE.read_bytes() + f"# scrape {self.scrapes}\n".encode()
+        good = FIXTURE.read_bytes() + f"# scrape {self.scrapes}\n{self.extra}".encode()
         mode = self.mode
         if mode == "good":
             return await _send(writer, good, PROMETHEUS)

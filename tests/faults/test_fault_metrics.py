@@ -29,9 +29,9 @@ from faultkit import (
     set_faults,
     sim_state,
 )
-from hostile_metrics import HostileMetrics, hostile_metrics
+from hostile_metrics import FIXTURE, HostileMetrics, hostile_metrics
 
-from gateway.budget import MetricsPoller
+from gateway.budget import INLINE_PARSE_BYTES, MetricsPoller
 from gateway.capacity import BudgetState, CapacityConfig, KvBudget, Reconciliation
 from gateway.ledger import InMemoryLedger
 from gateway.vllm_metrics import BackendReading
@@ -303,6 +303,29 @@ def test_hostile_metrics_mean_saturated_and_the_poller_goes_on(
     poll_until(lambda: readyz(guarded)[0] == 200, what="the budget to recover")
     assert guarded.call(lambda: guarded.gateway.snapshot().total_blocks) == 63
     assert hostile.url not in readyz(guarded)[1]
+
+
+def test_a_wide_data_parallel_backend_is_read_off_the_loop(guarded: Served, hostile: HostileMetrics) -> None:
+    """40 engines: their lines kvgate reads (52 KB) are parsed in a thread, and summed."""
+    config = next(
+        line for line in FIXTURE.read_text().splitlines() if line.startswith("vllm:cache_config_info{")
+    )
+    extra = []
+    for engine in range(1, 40):
+        extra.append(config.replace('engine="0"', f'engine="{engine}"'))
+        extra.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="tiny-llama"}} 0.5')
+        extra.append(f'vllm:num_requests_waiting{{engine="{engine}",model_name="tiny-llama"}} 1.0')
+    assert len("\n".join(extra)) > INLINE_PARSE_BYTES
+    hostile.mode, hostile.extra = "good", "\n".join(extra) + "\n"
+    try:
+        guarded.wait_until(lambda gw: gw.snapshot().total_blocks == 40 * 63, what="the 40 pools")
+        reading = guarded.call(lambda: guarded.gateway.budget.reading)
+        assert (reading.engines, reading.waiting) == (40, 39)
+        assert reading.used_blocks == pytest.approx(39 * 31.5)
+        assert readyz(guarded)[0] == 200
+    finally:
+        hostile.extra = ""
+    guarded.wait_until(lambda gw: gw.snapshot().total_blocks == 63, what="the one pool again")
 
 
 # -- the poller itself: it survives every failure, and never ends unnoticed --------------------
