@@ -209,6 +209,7 @@ class MetricsPoller:
         self._max_body_bytes = max_body_bytes
         self.failures = 0
         self._streak = 0  # failures since the last good scrape
+        self._parse_s = 0.0  # how long the last scrape's parse took in a thread (0: on the loop)
         self._poked = asyncio.Event()
 
     def reconfigure(self, *, interval_s: float, timeout_s: float) -> None:
@@ -288,7 +289,11 @@ class MetricsPoller:
             raise _UnreachableError(f"cannot connect: {_describe(exc)}") from exc
         if body.kept_bytes <= INLINE_PARSE_BYTES:
             return body.reading()
-        return await asyncio.to_thread(body.reading)
+        parse_started = self._clock()
+        try:
+            return await asyncio.to_thread(body.reading)
+        finally:
+            self._parse_s = self._clock() - parse_started
 
     def _fail(self, message: str, *, unreachable: bool, exc: BaseException | None = None) -> None:
         message = self._scrub(message)
@@ -331,11 +336,15 @@ class MetricsPoller:
             started = self._clock()
             # A poke that arrives during this scrape asks for another one that starts after it.
             self._poked.clear()
+            self._parse_s = 0.0
             ok = await self.poll_once() is not None
             elapsed = self._clock() - started
-            # A failing scrape takes at most half the poller's time: one that costs a lot (a
-            # body at the size bound, a trickle up to the time limit) is not repeated at once.
-            pause = self._interval_s - elapsed if ok else max(self._interval_s - elapsed, elapsed)
+            # A failing scrape takes at most half the poller's time, and so does a parse in a
+            # thread: one that costs a lot (a body at the size bound, a trickle up to the time
+            # limit, kept lines near their bound) is not repeated at once. A good scrape that
+            # is merely slow to arrive is, or the budget would go stale.
+            floor = self._parse_s if ok else elapsed
+            pause = max(self._interval_s - elapsed, floor)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, pause)):
                     await self._poked.wait()
