@@ -223,8 +223,9 @@ class MetricsPoller:
         self._poked.set()
 
     async def poll_once(self) -> Reconciliation | None:
-        """One scrape; returns the reconciliation, or None when the scrape failed. Raises
-        nothing but cancellation."""
+        """One scrape; returns the reconciliation, or None when the scrape failed. Every
+        failure is counted and told to the budget here, not raised (`run` takes whatever a
+        broken clock might still raise)."""
         result: Reconciliation | None = None
         try:
             started = self._clock()
