@@ -208,6 +208,7 @@ class MetricsPoller:
         self._waiting = waiting  # whether requests wait for this backend's blocks now
         self._max_body_bytes = max_body_bytes
         self.failures = 0
+        self.update_failures = 0  # on_update raised (not a failed scrape)
         self._streak = 0  # failures since the last good scrape
         self._parse_s = 0.0  # how long the last scrape's parse took in a thread (0: on the loop)
         self._poked = asyncio.Event()
@@ -245,8 +246,15 @@ class MetricsPoller:
                 self._streak = 0
         try:
             self._on_update(result)
-        except Exception:
-            log.exception("metrics poller of %s: on_update failed", self._url)
+        except Exception as exc:  # the consumer's bug: the scrape itself stands
+            self.update_failures += 1
+            if self.update_failures == 1 or self.update_failures % 50 == 0:
+                log.error(
+                    "metrics poller of %s: on_update failed (%d so far)",
+                    self._url,
+                    self.update_failures,
+                    exc_info=exc,
+                )
         return result
 
     async def _scrape(self) -> BackendReading:

@@ -443,11 +443,12 @@ async def test_the_last_unforeseen_error_is_what_the_budget_shows(hostile: Hosti
 async def test_an_on_update_that_raises_does_not_stop_the_poller(hostile: HostileMetrics) -> None:
     hostile.mode = "good"
     script = Scripted({0: RuntimeError("the queue's pump failed"), 1: KeyError("x")})
-    _, results = await run_poller(
+    poller, results = await run_poller(
         hostile.url, KvBudget(CAPACITY, InMemoryLedger()), until=lambda r: len(r) >= 4, on_update=script
     )
     assert all(result is not None for result in results)
     assert script.calls >= 4
+    assert (poller.failures, poller.update_failures) == (0, 2)
 
 
 async def test_a_failure_outside_any_scrape_restarts_the_loop(hostile: HostileMetrics) -> None:
