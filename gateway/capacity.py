@@ -255,6 +255,8 @@ class KvBudget:
         self._unreachable_failures = 0
         self._last_error = ""
         self._suspect_since: float | None = None
+        # Why no reading will ever come again (the poller's task ended), else "".
+        self._halted = ""
         # (parsed at, engine steps) of recent scrapes, oldest first.
         self._steps: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
         self._digests: deque[tuple[float, float]] = deque(maxlen=HISTORY_SCRAPES)
@@ -378,6 +380,11 @@ class KvBudget:
         self._last_error = error
         self.limit.observe(None, now)
 
+    def halt(self, reason: str) -> None:
+        """Nobody reads the metrics any more (the poller's task ended): the budget is stale
+        from now on, whatever the last reading, and its detail says why."""
+        self._halted = reason
+
     def reconfigure(self, config: CapacityConfig) -> None:
         """Use `config` from now on (a settings reload); the AIMD share moves into its bounds."""
         self._config = config
@@ -394,6 +401,8 @@ class KvBudget:
             return BudgetState.DOWN
         if self._reading_at is None:
             return BudgetState.UNSEEN
+        if self._halted:
+            return BudgetState.STALE
         if self._suspect_since is not None:
             return BudgetState.SUSPECT
         if now - self._reading_at > self._config.stale_after_s:
@@ -444,6 +453,8 @@ class KvBudget:
 
     def _detail(self, state: BudgetState, age: float | None) -> str:
         error = f"; last error: {self._last_error}" if self._last_error else ""
+        if self._halted:
+            error = f"; {self._halted}{error}"
         if state is BudgetState.FRESH:
             return f"metrics fresh ({age:.3f} s old)"
         if state is BudgetState.DOWN:

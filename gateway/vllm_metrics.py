@@ -65,6 +65,22 @@ ENGINE_LABEL = "engine"
 V1_NULL_BLOCKS_PER_ENGINE = 1
 
 
+# Bounds on what one scrape may claim. They are far beyond any real engine (an 8 x 141 GB node
+# serving a tiny model at block size 16 holds a few million blocks; vLLM's block sizes are at
+# most a few thousand tokens, hybrid models included) and keep every sum and product exact in a
+# float: a scrape past them is refused as malformed, never let through to the arithmetic.
+MAX_BLOCK_SIZE_TOKENS = 1 << 16
+MAX_ENGINE_BLOCKS = 1 << 32
+MAX_ENGINE_TOKENS = MAX_ENGINE_BLOCKS * MAX_BLOCK_SIZE_TOKENS
+MAX_REQUESTS_PER_SERIES = 1 << 32
+# Counters past 2**53 are no longer whole numbers in a float (vLLM's Prometheus client keeps
+# them as floats): such a value is noise, not a count.
+MAX_COUNTER = float(1 << 53)
+# Usage above the pool by more than rounding noise is a broken exporter, not a full pool.
+USAGE_NOISE = 1e-6
+MAX_LABEL_CHARS = 4096
+
+
 class MetricsFormatError(ValueError):
     """A scrape lacks or mangles something the budget needs; the budget counts as unknown."""
 
@@ -88,6 +104,8 @@ class BackendReading:
     backend does not export the counter (the AIMD controller then stays where it is).
     `engine_steps_total` counts the engine steps run so far (None when not exported): a value
     that has not moved since a request was sent means vLLM has not started on it yet.
+    `read_backend` guarantees 1 <= total_blocks, 0 <= used_blocks <= total_blocks, every
+    count finite and within the MAX_ bounds above.
     """
 
     total_blocks: int
@@ -115,31 +133,49 @@ class BackendReading:
 class _Engine:
     block_size: int | None = None
     total_tokens: int | None = None
+    gpu_blocks: int | None = None
     prefix_caching: bool | None = None
     usage: float | None = None
     usage_rank: int = 1 << 30
 
 
-def _int_label(labels: Mapping[str, str], name: str) -> int | None:
+_UNSET = ("", "none", "null")
+
+
+def _int_label(labels: Mapping[str, str], name: str, upper: int) -> int | None:
+    """A whole-number label of cache_config_info within [1, upper]; None when unset (vLLM
+    writes "None" for fields it has not resolved). Anything else is a malformed scrape: a pool
+    size of 1e308 or 32.5 tokens must not be rounded into something that looks sane."""
     raw = labels.get(name)
-    if raw is None:
+    if raw is None or raw.strip().lower() in _UNSET:
         return None
+    where = f"vllm:cache_config_info label {name}"
     try:
-        value = int(float(raw))
+        value = int(raw)
     except ValueError:
-        return None  # vLLM writes "None" for unset fields
-    return value if value > 0 else None
+        try:
+            number = float(raw)
+        except ValueError:
+            raise MetricsFormatError(f"{where} is not a number: {raw[:40]!r}") from None
+        if not math.isfinite(number) or not number.is_integer():
+            raise MetricsFormatError(f"{where} is not a whole number: {raw[:40]!r}") from None
+        if not 1 <= number <= upper:  # compared as a float: int(1e308) is exact but absurd
+            raise MetricsFormatError(f"{where} is out of range [1, {upper}]: {raw[:40]!r}") from None
+        value = int(number)
+    if not 1 <= value <= upper:
+        raise MetricsFormatError(f"{where} is out of range [1, {upper}]: {raw[:40]!r}")
+    return value
 
 
 def _cache_config(engine: _Engine, labels: Mapping[str, str]) -> None:
-    block_size = _int_label(labels, "block_size")
+    block_size = _int_label(labels, "block_size", MAX_BLOCK_SIZE_TOKENS)
     if block_size is None:
         raise MetricsFormatError("vllm:cache_config_info has no usable block_size label")
     # kv_cache_size_tokens is what the engine actually built (vLLM >= 0.11); num_gpu_blocks is
     # the older way to say the same thing and can disagree with it when blocks are padded.
-    tokens = _int_label(labels, "kv_cache_size_tokens")
+    tokens = _int_label(labels, "kv_cache_size_tokens", MAX_ENGINE_TOKENS)
+    blocks = _int_label(labels, "num_gpu_blocks", MAX_ENGINE_BLOCKS)
     if tokens is None:
-        blocks = _int_label(labels, "num_gpu_blocks")
         if blocks is None:
             raise MetricsFormatError(
                 "vllm:cache_config_info has neither kv_cache_size_tokens nor num_gpu_blocks"
@@ -147,19 +183,31 @@ def _cache_config(engine: _Engine, labels: Mapping[str, str]) -> None:
         tokens = blocks * block_size
     engine.block_size = block_size
     engine.total_tokens = tokens
+    engine.gpu_blocks = blocks
     prefix = labels.get("enable_prefix_caching")
     engine.prefix_caching = None if prefix is None else prefix.lower() == "true"
 
 
-def _finite(value: float, name: str) -> float:
-    if not math.isfinite(value) or value < 0:
+def _bounded(value: float, name: str, upper: float) -> float:
+    """`value` when it is a finite number in [0, upper]; else the scrape is malformed."""
+    if not 0.0 <= value <= upper:  # also false for NaN
         raise MetricsFormatError(f"{name} has an impossible value {value!r}")
     return value
 
 
+def _check_labels(sample: MetricSample) -> None:
+    for key, value in sample.labels.items():
+        if len(key) + len(value) > MAX_LABEL_CHARS:
+            raise MetricsFormatError(
+                f"{sample.name} has a label {key[:40]!r} of {len(value)} characters "
+                f"(at most {MAX_LABEL_CHARS} are read)"
+            )
+
+
 def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
     """Turn one scrape's samples into a `BackendReading`; raise `MetricsFormatError` when the
-    pool size or its usage is missing."""
+    pool size or its usage is missing, or when anything read is out of its bounds. Nothing
+    else is raised, whatever the samples hold."""
     engines: dict[str, _Engine] = {}
     running = 0.0
     waiting = 0.0
@@ -175,13 +223,14 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
         metric = _CANONICAL.get(sample.name)
         if metric is None:
             continue
+        _check_labels(sample)
         engine_id = sample.labels.get(ENGINE_LABEL, "")
         rank = _ALIAS_RANK[sample.name]
         if metric is VllmMetric.CACHE_CONFIG:
             _cache_config(engines.setdefault(engine_id, _Engine()), sample.labels)
         elif metric is VllmMetric.KV_CACHE_USAGE:
             engine = engines.setdefault(engine_id, _Engine())
-            value = _finite(sample.value, sample.name)
+            value = _bounded(sample.value, sample.name, 1.0 + USAGE_NOISE)
             # Prefer the newest name; with several series under one name (one per model name
             # on a single engine) the largest is the engine's, they share one pool.
             if rank < engine.usage_rank:
@@ -189,21 +238,23 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
             elif rank == engine.usage_rank and engine.usage is not None:
                 engine.usage = max(engine.usage, value)
         elif metric is VllmMetric.RUNNING:
-            running += _finite(sample.value, sample.name)
+            running += _bounded(sample.value, sample.name, MAX_REQUESTS_PER_SERIES)
             seen_running = True
         elif metric is VllmMetric.WAITING:
-            waiting += _finite(sample.value, sample.name)
+            waiting += _bounded(sample.value, sample.name, MAX_REQUESTS_PER_SERIES)
             seen_waiting = True
         elif metric is VllmMetric.PREEMPTIONS:
-            value = _finite(sample.value, sample.name)
+            # A counter that falls between scrapes is a restarted vLLM: the AIMD limit takes
+            # it as a new baseline (see AimdLimit.observe), so only the value is checked here.
+            value = _bounded(sample.value, sample.name, MAX_COUNTER)
             preemption_by_rank[rank] = preemption_by_rank.get(rank, 0.0) + value
             preemption_rank = min(preemption_rank, rank)
         elif metric is VllmMetric.ENGINE_STEPS:
-            steps = (steps or 0.0) + _finite(sample.value, sample.name)
+            steps = (steps or 0.0) + _bounded(sample.value, sample.name, MAX_COUNTER)
         elif metric is VllmMetric.GENERATION_TOKENS:
             # A hint, not part of the budget: a bad sample spoils the histogram, not the scrape.
             bound = _bucket_bound(sample.labels.get("le"))
-            if bound is None or not math.isfinite(sample.value) or sample.value < 0:
+            if bound is None or not 0.0 <= sample.value <= MAX_COUNTER:
                 output_lengths_spoiled = True
             else:
                 output_lengths[bound] = output_lengths.get(bound, 0.0) + sample.value
@@ -225,10 +276,15 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
     for engine_id, engine in configured.items():
         assert engine.total_tokens is not None
         if engine.usage is None:
-            raise MetricsFormatError(f"engine {engine_id!r} reports no KV cache usage")
+            raise MetricsFormatError(f"engine {engine_id[:40]!r} reports no KV cache usage")
         blocks = engine.total_tokens // block_size
+        if engine.gpu_blocks is not None:
+            # The token capacity is derived from the maximum concurrency (vLLM's
+            # get_kv_cache_capacity) and can exceed what the pool's blocks hold (sliding-window
+            # and Mamba layers need fewer blocks per request); the pool has num_gpu_blocks.
+            blocks = min(blocks, engine.gpu_blocks)
         if engine.usage_rank == 0:  # the V1 gauge: its engine keeps a null block
-            blocks -= V1_NULL_BLOCKS_PER_ENGINE
+            blocks = max(0, blocks - V1_NULL_BLOCKS_PER_ENGINE)
         total_blocks += blocks
         # vLLM reports a fraction; clamp rounding noise so used never exceeds the pool.
         used_blocks += min(1.0, engine.usage) * blocks
@@ -239,7 +295,7 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
     return BackendReading(
         total_blocks=total_blocks,
         block_size=block_size,
-        used_blocks=used_blocks,
+        used_blocks=min(used_blocks, float(total_blocks)),
         # Missing request gauges count as idle: they refine the budget, they do not size it.
         running=round(running) if seen_running else 0,
         waiting=round(waiting) if seen_waiting else 0,
@@ -259,7 +315,9 @@ def _bucket_bound(raw: str | None) -> float | None:
         bound = float(raw)
     except ValueError:
         return None
-    return None if math.isnan(bound) else bound
+    # Output lengths are whole tokens; a negative or absurd bound would make a reservation of
+    # it (see quantile_from_buckets), so such a histogram is dropped.
+    return bound if bound == math.inf or 0.0 <= bound <= MAX_COUNTER else None
 
 
 def _cumulative(counts: Mapping[float, float]) -> tuple[tuple[float, float], ...]:
@@ -267,7 +325,7 @@ def _cumulative(counts: Mapping[float, float]) -> tuple[tuple[float, float], ...
     (no +inf bucket, or counts that fall as the bound grows: engines exporting different
     bounds). The histogram is a hint for a cold start; a doubtful one is dropped, not fixed."""
     ordered = tuple(sorted(counts.items()))
-    if not ordered or ordered[-1][0] != math.inf:
+    if not ordered or ordered[-1][0] != math.inf or not ordered[-1][1] <= MAX_COUNTER:
         return ()
     if any(later < earlier for (_, earlier), (_, later) in itertools.pairwise(ordered)):
         return ()

@@ -1,5 +1,6 @@
 """The backend's /metrics misbehaves: slow, frozen, malformed, missing, without the pool size,
-or reporting another pool after a restart.
+or reporting another pool after a restart; or it is hostile: it trickles, is huge, is cut,
+binary, an HTML page, or carries absurd values (a fake backend on raw sockets, hostile_metrics).
 
 What must happen: kvgate never crashes; an unknown budget counts as saturated (nothing new is
 admitted, /readyz says why, new arrivals get 503 + Retry-After, queued requests wait); the
@@ -8,7 +9,10 @@ budget rebuilds itself from the first sane scrape, and follows a pool that chang
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,7 +29,12 @@ from faultkit import (
     set_faults,
     sim_state,
 )
+from hostile_metrics import FIXTURE, HostileMetrics, hostile_metrics
 
+from gateway.budget import INLINE_PARSE_BYTES, MetricsPoller
+from gateway.capacity import BudgetState, CapacityConfig, KvBudget, Reconciliation
+from gateway.ledger import InMemoryLedger
+from gateway.vllm_metrics import BackendReading
 from sim.config import SimConfig
 from sim.testing import SimServer, running_sim_server
 
@@ -75,7 +84,7 @@ def assert_serves(kvgate: Served) -> None:
 @pytest.mark.parametrize(
     ("faults", "reason"),
     [
-        pytest.param({"metrics_delay_s": 0.6}, "ReadTimeout", id="slow"),
+        pytest.param({"metrics_delay_s": 0.6}, "timed out waiting for the response headers", id="slow"),
         pytest.param({"metrics_mode": "malformed"}, "malformed", id="malformed"),
         pytest.param({"metrics_mode": "missing", "metrics_status": 404}, "404", id="missing-404"),
         pytest.param({"metrics_mode": "missing", "metrics_status": 500}, "500", id="missing-500"),
@@ -191,3 +200,305 @@ def test_a_restarted_backend_with_another_pool_is_followed(kvgate: Served, sim: 
     assert most_admitted_of_two_hogs() == 2
     assert sim_state(sim.url)["num_preemptions_total"] == 0, sim_state(sim.url)
     kvgate.wait_until(gateway_idle, what="the ledger to balance")
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileMetrics]:
+    with hostile_metrics() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def guarded(hostile: HostileMetrics) -> Iterator[Served]:
+    # Each scrape gets 3 s in all (enough for 16 MiB on a loaded machine); the trickle's bytes
+    # come every 0.1 s, so no single read ever waits long enough to time out.
+    with served_gateway(hostile.url, metrics_timeout_s=3.0) as served:
+        yield served
+
+
+def scrape_failures(kvgate: Served) -> float:
+    text = httpx.get(f"{kvgate.url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("kvgate_backend_scrape_failures_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+HOSTILE = [
+    pytest.param("trickle", None, "timed out reading the body", id="trickle"),
+    pytest.param("huge", None, "larger than 16777216 bytes", id="100-MB"),
+    pytest.param("huge-declared", None, "larger than 16777216 bytes (104857600)", id="100-MB-declared"),
+    pytest.param("cut", None, "RemoteProtocolError", id="closed-mid-body"),
+    pytest.param("garbage", None, "cache_config_info", id="binary-garbage"),
+    pytest.param("html", None, "text/html, not Prometheus text", id="html"),
+    pytest.param("html-as-text", None, "cache_config_info", id="html-as-text-plain"),
+    pytest.param("gzip", None, "compressed (gzip)", id="gzip"),
+    pytest.param(
+        "absurd", (r'num_gpu_blocks="64"', 'num_gpu_blocks="1e308"'), "num_gpu_blocks", id="blocks-1e308"
+    ),
+    pytest.param(
+        "absurd", (r'num_gpu_blocks="64"', f'num_gpu_blocks="{2**70}"'), "num_gpu_blocks", id="blocks-2**70"
+    ),
+    pytest.param(
+        "absurd",
+        (r'kv_cache_size_tokens="2048"', 'kv_cache_size_tokens="inf"'),
+        "kv_cache_size_tokens",
+        id="tokens-inf",
+    ),
+    pytest.param("absurd", (r'block_size="32"', 'block_size="0"'), "block_size", id="block-size-0"),
+    pytest.param("absurd", (r'block_size="32"', 'block_size="32.5"'), "block_size", id="block-size-32.5"),
+    pytest.param(
+        "absurd",
+        (r"(vllm:kv_cache_usage_perc\{[^}]*\}) \S+", r"\1 +Inf"),
+        "vllm:kv_cache_usage_perc",
+        id="usage-inf",
+    ),
+    pytest.param(
+        "absurd",
+        (r"(vllm:kv_cache_usage_perc\{[^}]*\}) \S+", r"\1 7.5"),
+        "vllm:kv_cache_usage_perc",
+        id="usage-7.5",
+    ),
+    pytest.param(
+        "absurd",
+        (r"(vllm:num_requests_running\{[^}]*\}) \S+", r"\1 1e308"),
+        "vllm:num_requests_running",
+        id="running-1e308",
+    ),
+    pytest.param(
+        "absurd",
+        (r"(vllm:num_preemptions_total\{[^}]*\}) \S+", r"\1 NaN"),
+        "vllm:num_preemptions_total",
+        id="preemptions-nan",
+    ),
+    pytest.param(
+        "absurd",
+        (r"vllm:cache_config_info\{", 'vllm:cache_config_info{junk="' + "x" * (1 << 20) + '",'),
+        "a line of vllm:cache_config_info is longer than 16384 bytes",
+        id="label-of-a-megabyte",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mode", "absurd", "reason"), HOSTILE)
+def test_hostile_metrics_mean_saturated_and_the_poller_goes_on(
+    guarded: Served, hostile: HostileMetrics, mode: str, absurd: tuple[str, str] | None, reason: str
+) -> None:
+    hostile.mode = "good"
+    poll_until(lambda: readyz(guarded)[0] == 200, what="the budget to be fresh")
+    failures = scrape_failures(guarded)
+    if absurd is not None:
+        hostile.absurd = absurd
+    hostile.mode = mode
+    poll_until(
+        lambda: (lambda answer: answer[0] == 503 and reason in answer[1])(readyz(guarded)),
+        what=f"/readyz to turn false naming {reason!r}",
+    )
+    assert guarded.call(lambda: guarded.gateway.snapshot().known) is False  # unknown: saturated
+    assert_refused_as_unknown(guarded)
+    assert httpx.get(f"{guarded.url}/healthz", timeout=5).status_code == 200
+    assert scrape_failures(guarded) > failures  # counted in kvgate's own metrics
+    # The poller goes on: the next good text is read.
+    hostile.mode = "good"
+    poll_until(lambda: readyz(guarded)[0] == 200, what="the budget to recover")
+    assert guarded.call(lambda: guarded.gateway.snapshot().total_blocks) == 63
+    assert hostile.url not in readyz(guarded)[1]
+
+
+def test_a_wide_data_parallel_backend_is_read_off_the_loop(guarded: Served, hostile: HostileMetrics) -> None:
+    """40 engines: their lines kvgate reads (52 KB) are parsed in a thread, and summed."""
+    config = next(
+        line for line in FIXTURE.read_text().splitlines() if line.startswith("vllm:cache_config_info{")
+    )
+    extra = []
+    for engine in range(1, 40):
+        extra.append(config.replace('engine="0"', f'engine="{engine}"'))
+        extra.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="tiny-llama"}} 0.5')
+        extra.append(f'vllm:num_requests_waiting{{engine="{engine}",model_name="tiny-llama"}} 1.0')
+    assert len("\n".join(extra)) > INLINE_PARSE_BYTES
+    hostile.mode, hostile.extra = "good", "\n".join(extra) + "\n"
+    try:
+        guarded.wait_until(lambda gw: gw.snapshot().total_blocks == 40 * 63, what="the 40 pools")
+        reading = guarded.call(lambda: guarded.gateway.budget.reading)
+        assert (reading.engines, reading.waiting) == (40, 39)
+        assert reading.used_blocks == pytest.approx(39 * 31.5)
+        assert readyz(guarded)[0] == 200
+    finally:
+        hostile.extra = ""
+    guarded.wait_until(lambda gw: gw.snapshot().total_blocks == 63, what="the one pool again")
+
+
+# -- the poller itself: it survives every failure, and never ends unnoticed --------------------
+
+CAPACITY = CapacityConfig(
+    stale_after_s=0.5,
+    settle_s=0.05,
+    unknown_is_saturated=True,
+    down_after_failures=2,
+    min_fraction=0.5,
+    max_fraction=1.0,
+    initial_fraction=1.0,
+    decrease_factor=0.8,
+    increase_per_s=0.02,
+    quiet_s=5.0,
+    decrease_cooldown_s=2.0,
+)
+
+
+class Fatal(BaseException):
+    """Not an Exception: what no `except Exception` takes, so the poller's task ends with it."""
+
+
+class Scripted:
+    """What the poller's parts do on their n-th call (0-based): raise the given exception."""
+
+    def __init__(self, faults: dict[int, BaseException]) -> None:
+        self.calls = 0
+        self._faults = faults
+
+    def __call__(self) -> None:
+        call, self.calls = self.calls, self.calls + 1
+        if call in self._faults:
+            raise self._faults[call]
+
+
+class FaultyBudget(KvBudget):
+    """A budget whose observe raises on the calls `faults` names (a bug in the closed loop)."""
+
+    def __init__(self, faults: dict[int, BaseException]) -> None:
+        super().__init__(CAPACITY, InMemoryLedger())
+        self.script = Scripted(faults)
+
+    def observe(
+        self, reading: BackendReading, started_at: float, now: float, *, waiting: bool = False
+    ) -> Reconciliation | None:
+        self.script()
+        return super().observe(reading, started_at, now, waiting=waiting)
+
+
+async def run_poller(
+    url: str,
+    budget: KvBudget,
+    *,
+    until: Callable[[list[Reconciliation | None]], bool],
+    clock: Callable[[], float] = time.monotonic,
+    on_update: Callable[[], None] = lambda: None,
+) -> tuple[MetricsPoller, list[Reconciliation | None]]:
+    """Run a poller against `url` until `until(results so far)` holds; then stop it."""
+    results: list[Reconciliation | None] = []
+    done = asyncio.Event()
+
+    def record(result: Reconciliation | None) -> None:
+        results.append(result)
+        if until(results):
+            done.set()
+        on_update()
+
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(
+            client=client,
+            url=f"{url}/metrics",
+            budget=budget,
+            clock=clock,
+            interval_s=0.01,
+            timeout_s=2.0,
+            on_update=record,
+        )
+        task = asyncio.create_task(poller.run())
+        try:
+            async with asyncio.timeout(20):
+                await done.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return poller, results
+
+
+def recovered(results: list[Reconciliation | None]) -> bool:
+    return None in results and results[-1] is not None
+
+
+async def test_a_budget_that_raises_is_a_failed_scrape_and_the_poller_goes_on(
+    hostile: HostileMetrics,
+) -> None:
+    hostile.mode = "good"
+    budget = FaultyBudget({1: RuntimeError("a bug in the closed loop"), 2: OverflowError("int too large")})
+    poller, results = await run_poller(hostile.url, budget, until=recovered)
+    assert results[:4] == [results[0], None, None, results[3]]
+    assert poller.failures == 2
+    assert budget.state(time.monotonic()) is BudgetState.STALE  # stopped by the test: see below
+    assert "the metrics poller was stopped" in budget.snapshot(time.monotonic()).detail
+
+
+async def test_the_last_unforeseen_error_is_what_the_budget_shows(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    budget = FaultyBudget({n: ZeroDivisionError("division by zero") for n in range(1, 1000)})
+    poller, results = await run_poller(hostile.url, budget, until=lambda r: len(r) >= 3)
+    assert results[1:] == [None] * (len(results) - 1)
+    assert budget.last_error == "unexpected ZeroDivisionError: division by zero"
+    assert poller.failures == len(results) - 1
+
+
+async def test_an_on_update_that_raises_does_not_stop_the_poller(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    script = Scripted({0: RuntimeError("the queue's pump failed"), 1: KeyError("x")})
+    poller, results = await run_poller(
+        hostile.url, KvBudget(CAPACITY, InMemoryLedger()), until=lambda r: len(r) >= 4, on_update=script
+    )
+    assert all(result is not None for result in results)
+    assert script.calls >= 4
+    assert (poller.failures, poller.update_failures) == (0, 2)
+
+
+async def test_a_failure_outside_any_scrape_restarts_the_loop(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    script = Scripted({0: RuntimeError("the clock broke")})  # the loop's first reading of it
+
+    def clock() -> float:
+        script()
+        return time.monotonic()
+
+    budget = KvBudget(CAPACITY, InMemoryLedger())
+    poller, results = await run_poller(hostile.url, budget, until=lambda r: len(r) >= 2, clock=clock)
+    assert poller.failures == 1  # counted, then scraped as ever
+    assert all(result is not None for result in results)
+
+
+async def test_a_poller_task_that_dies_anyway_leaves_the_budget_unknown_saying_why(
+    hostile: HostileMetrics,
+) -> None:
+    hostile.mode = "good"
+    budget = FaultyBudget({2: Fatal("out of everything")})
+    async with httpx.AsyncClient() as client:
+        poller = MetricsPoller(
+            client=client,
+            url=f"{hostile.url}/metrics",
+            budget=budget,
+            clock=time.monotonic,
+            interval_s=0.01,
+            timeout_s=2.0,
+            on_update=lambda _: None,
+        )
+        task = asyncio.create_task(poller.run())
+        with pytest.raises(Fatal):
+            await task
+    snapshot = budget.snapshot(time.monotonic())
+    assert (snapshot.state, snapshot.known) == (BudgetState.STALE, False)
+    assert "the metrics poller died: Fatal: out of everything" in snapshot.detail
+
+
+def test_a_gateway_whose_poller_stopped_is_not_ready_and_says_so(hostile: HostileMetrics) -> None:
+    hostile.mode = "good"
+    with served_gateway(hostile.url) as kvgate:
+        poll_until(lambda: readyz(kvgate)[0] == 200, what="the budget to be fresh")
+
+        def stop_the_poller() -> None:
+            for task in asyncio.all_tasks():
+                if task.get_name().startswith("kvgate-metrics-"):
+                    task.cancel()
+
+        kvgate.call(stop_the_poller)
+        poll_until(lambda: readyz(kvgate)[0] == 503, what="/readyz to turn false")
+        assert "the metrics poller was stopped" in readyz(kvgate)[1]
+        assert_refused_as_unknown(kvgate)
