@@ -81,6 +81,18 @@ class MediaProfile:
     def multimodal(self) -> bool:
         return not self.known or bool(self.rules)
 
+    def describe(self) -> str:
+        """One line for the log: what the model takes and at what bound per item."""
+        if not self.known:
+            return "no model config: every modality taken, each item bounded by the context"
+        if not self.rules:
+            return "text only: media parts are refused"
+        return "; ".join(
+            f"{modality}: {rule.tokens_per_item if rule.tokens_per_item is not None else 'rest of the context'}"
+            f" tokens per item ({rule.source})"
+            for modality, rule in self.rules.items()
+        )
+
     @classmethod
     def from_config(
         cls, config: Mapping[str, Any], processor: Mapping[str, Any] | None = None

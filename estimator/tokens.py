@@ -528,14 +528,15 @@ def _named_parameters(function: Any) -> frozenset[str]:
     )
 
 
-def _load_media_profile(path_or_id: str | Path) -> MediaProfile:
-    """The model's media profile from its config.json (and processor config) in a local folder or
-    the local Hugging Face cache; unknown when there is none."""
-    config = _read_model_json(path_or_id, "config.json")
-    if config is None:
-        return MediaProfile.unknown()
-    processor = _read_model_json(path_or_id, "preprocessor_config.json")
-    return MediaProfile.from_config(config, processor)
+def _load_media_profile(sources: Sequence[str | Path]) -> MediaProfile:
+    """The model's media profile from the config.json (and processor config) of the first source,
+    a local folder or a model id in the local Hugging Face cache, that has one; unknown when none
+    has (every modality is then taken and bounded by the context)."""
+    for source in sources:
+        config = _read_model_json(source, "config.json")
+        if config is not None:
+            return MediaProfile.from_config(config, _read_model_json(source, "preprocessor_config.json"))
+    return MediaProfile.unknown()
 
 
 def _read_model_json(path_or_id: str | Path, filename: str) -> dict[str, Any] | None:
@@ -605,9 +606,13 @@ class TokenCounter:
         *,
         content_format: ContentFormat = "auto",
         max_model_len: int | None = None,
+        config_sources: Sequence[str | Path] = (),
     ) -> TokenCounter:
         """Load a tokenizer from a model folder or a model id in the local Hugging Face cache
-        (never from the network). Raises OSError when none can be loaded."""
+        (never from the network). Raises OSError when none can be loaded.
+
+        The model's config.json, which says what media it takes, is read from the same place,
+        else from the first of `config_sources` (other names of the served model) that has one."""
         from transformers import AutoTokenizer  # heavy import, kept off the CLI's fast path
 
         tokenizer = AutoTokenizer.from_pretrained(str(path_or_id), local_files_only=True)
@@ -615,7 +620,7 @@ class TokenCounter:
             tokenizer,
             content_format=content_format,
             max_model_len=max_model_len,
-            media=_load_media_profile(path_or_id),
+            media=_load_media_profile([path_or_id, *config_sources]),
         )
 
     @classmethod
