@@ -409,6 +409,8 @@ def _normalise_messages(
             entry["name"] = message["name"]
         if isinstance(message.get("task"), str):
             entry["task"] = message["task"]
+        if role == "developer":
+            entry["tools"] = message.get("tools")
         conversation.append(entry)
     return _Conversation(conversation, texts, found)
 
@@ -446,6 +448,46 @@ def _refers_to(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bo
     if isinstance(node, jinja2.nodes.Getattr):
         return _refers_to(node.node, name) and node.attr == key
     return False
+
+
+def _needs_developer_conversion(messages: list[dict[str, Any]], chat_template: str) -> bool:
+    """vLLM turns developer messages into system ones for a template that never names the role
+    (renderers/hf.py _detect_developer_role_support)."""
+    named = '"developer"' in chat_template or "'developer'" in chat_template
+    return not named and any(message["role"] == "developer" for message in messages)
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Developer messages as system ones, all system messages merged into one at the front when
+    one is not already alone there (vLLM's _convert_developer_to_system and
+    _consolidate_system_messages)."""
+    converted = []
+    for message in messages:
+        if message["role"] == "developer":
+            message = {**message, "role": "system"}
+            message.pop("tools", None)
+        converted.append(message)
+    system_texts: list[str] = []
+    others: list[dict[str, Any]] = []
+    consolidate = False
+    for index, message in enumerate(converted):
+        if message["role"] != "system":
+            others.append(message)
+            continue
+        if index > 0 or system_texts:
+            consolidate = True
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                part if isinstance(part, str) else part["text"]
+                for part in content
+                if isinstance(part, str) or (isinstance(part, Mapping) and "text" in part)
+            )
+        if content:
+            system_texts.append(content)
+    if not consolidate:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
 
 
 # ---------------------------------------------------------------- template kwargs
@@ -707,6 +749,10 @@ class TokenCounter:
         if self._tokenizer is None or not (self._has_template or template):
             return (self._approximate_chat(conversation, tools),), False
 
+        messages = conversation.messages
+        resolved = template if template is not None else getattr(self._tokenizer, "chat_template", None)
+        if isinstance(resolved, str) and _needs_developer_conversion(messages, resolved):
+            messages = _developer_as_system(messages)
         variables = self._template_vars if template is None else template_variables(template)
         if variables is not None:
             # vLLM passes on only the kwargs the template or apply_chat_template names
@@ -718,9 +764,7 @@ class TokenCounter:
             render_kwargs["chat_template"] = template
         with self._lock:
             try:
-                prompt = self._tokenizer.apply_chat_template(
-                    conversation.messages, tokenize=False, **render_kwargs
-                )
+                prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, **render_kwargs)
             except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
                 # vLLM answers 400 when the template rejects the conversation.
                 raise RequestBodyError(f"the chat template rejected the messages: {exc}", "messages") from exc

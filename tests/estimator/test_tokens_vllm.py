@@ -164,6 +164,37 @@ CHAT_CASES: list[tuple[str, dict[str, Any]]] = [
     ("newlines", {"messages": [{"role": "user", "content": "line1\nline2\r\nline3\n\n"}]}),
     ("code", {"messages": [{"role": "user", "content": "def f(x):\n    return {'a': [1, 2]}  # ok"}]}),
     (
+        "developer first",
+        {"messages": [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]},
+    ),
+    (
+        "developer after user",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "developer", "content": "Be terse."}]},
+    ),
+    (
+        "system and developer parts",
+        {
+            "messages": [
+                {"role": "system", "content": "S1"},
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "D"}, {"type": "text", "text": "E"}],
+                },
+                {"role": "user", "content": "hi"},
+            ]
+        },
+    ),
+    (
+        "reasoning_content",
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "x", "reasoning_content": "thought"},
+                {"role": "user", "content": "hi"},
+            ]
+        },
+    ),
+    (
         "max_completion_tokens",
         {"messages": [{"role": "user", "content": "short"}], "max_completion_tokens": 1},
     ),
