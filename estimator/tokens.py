@@ -167,6 +167,7 @@ class MediaItem:
     modality: Modality
     part_type: str
     param: str
+    url: str | None = None  # an image's URL, whose data may say its size
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +291,10 @@ def _media_item(part: Mapping[str, Any], part_type: str, where: str, media: Medi
             raise RequestBodyError(
                 f"'{where}.{part_type}' must be an object with a 'url' string", f"{where}.{part_type}"
             )
-    return MediaItem(modality, part_type, where)
+    url: Any = part.get("image_url") if part_type in ("image_url", "input_image") else None
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    return MediaItem(modality, part_type, where, url if isinstance(url, str) else None)
 
 
 def _normalise_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -777,41 +781,63 @@ class TokenCounter:
         if tokenize and kwargs.get("truncation") and isinstance(kwargs.get("max_length"), int):
             tokens = min(tokens, kwargs["max_length"])
         if conversation.media:
-            return (self._with_media(tokens, ids, conversation.media, body),), False
+            with_media, exact = self._with_media(tokens, ids, conversation.media, body)
+            return (with_media,), exact
         return (tokens,), True
 
     def _with_media(
         self, text_tokens: int, ids: Sequence[int] | None, media: list[MediaItem], body: Mapping[str, Any]
-    ) -> int:
-        """The prompt with its media items counted at their bound (see estimator/media.py).
+    ) -> tuple[int, bool]:
+        """The prompt with its media items counted, and whether that count is exact.
 
-        The placeholder a template rendered for an item is replaced by the item's tokens, so it
-        is taken out once per item. An item without a formula, or processor kwargs from the
-        request that may change the item's size, reserves the rest of the context. The result
-        never exceeds the longest prompt vLLM accepts (max_model_len - 1) unless the text alone
-        does, so that a bound never makes the gateway refuse what vLLM serves."""
+        An image whose size is in the body (a data URL) counts exactly where the model's resize
+        formula and processor config are known (estimator/media.py); every other item counts at
+        its bound. The placeholder a template rendered for an item is replaced by the item's
+        tokens, so it is taken out once per item. An item without a formula, or processor kwargs
+        from the request that may change the items' size, reserves the rest of the context. A
+        bound never takes the prompt past the longest one vLLM accepts (max_model_len - 1)
+        unless the text alone does, so that it never makes the gateway refuse what vLLM serves."""
         total = text_tokens
-        unbounded = body.get("mm_processor_kwargs") is not None
+        exact = ids is not None
+        processor_kwargs = body.get("mm_processor_kwargs") is not None
+        unbounded = processor_kwargs
         by_modality = Counter(item.modality for item in media)
         for modality, count in by_modality.items():
             rule = self._media.rule(modality)
             if rule is None:  # refused while parsing; kept for the type checker
                 continue
+            hits = 0
             if ids is not None and rule.placeholder_token_id is not None:
-                total -= min(count, sum(1 for token in ids if token == rule.placeholder_token_id))
-            if rule.tokens_per_item is None:
-                unbounded = True
-            else:
-                total += count * rule.tokens_per_item
+                hits = min(count, sum(1 for token in ids if token == rule.placeholder_token_id))
+                total -= hits
+            if hits < count:
+                exact = False  # a placeholder we cannot see: its own tokens stay in the text
+            for item in media:
+                if item.modality is not modality:
+                    continue
+                tokens = None if processor_kwargs else rule.exact_tokens(item.url)
+                if tokens is not None:
+                    total += tokens
+                    continue
+                exact = False
+                if rule.tokens_per_item is None:
+                    unbounded = True
+                else:
+                    total += rule.tokens_per_item
             if self._content_format == "string":
                 # vLLM puts the model's placeholder text beside the message text itself.
                 total += count * MEDIA_MARKUP_TOKENS
+                exact = False
         ceiling = self._max_model_len - 1 if self._max_model_len else None
         if ceiling is None:
-            return total + (len(media) * MEDIA_TOKENS_UNKNOWN_CONTEXT if unbounded else 0)
+            return total + (
+                len(media) * MEDIA_TOKENS_UNKNOWN_CONTEXT if unbounded else 0
+            ), exact and not unbounded
         if text_tokens > ceiling:
-            return text_tokens
-        return ceiling if unbounded else min(max(total, text_tokens), ceiling)
+            return text_tokens, False
+        if unbounded:
+            return ceiling, False
+        return min(max(total, text_tokens), ceiling), exact and total <= ceiling
 
     def _approximate_chat(self, conversation: _Conversation, tools: Any) -> int:
         messages = conversation.messages
@@ -825,7 +851,7 @@ class TokenCounter:
             len(messages) + 1
         )
         if conversation.media:
-            return self._with_media(tokens, None, conversation.media, {})
+            return self._with_media(tokens, None, conversation.media, {})[0]
         return tokens
 
     # completions --------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from estimator.media import (
     QWEN2_VL_DEFAULT_MAX_PIXELS,
     MediaProfile,
     Modality,
+    VisionGrid,
+    image_size,
 )
 
 
@@ -118,3 +120,66 @@ def test_audio_towers_take_audio_bounded_by_the_context() -> None:
 def test_without_a_config_every_modality_is_taken() -> None:
     profile = MediaProfile.unknown()
     assert all(profile.rule(modality) is not None for modality in Modality)
+
+
+def test_qwen2_vl_image_tokens_match_vllms_processor(fixtures_dir: Path) -> None:
+    # Golden counts from vLLM 0.32's own image loading and transformers' Qwen2-VL processor
+    # (tests/fixtures/vllm/make_qwen2vl_image_tokens.py): PNG, GIF, WebP and JPEG data URLs,
+    # tiny, huge, 1:67, and JPEGs whose EXIF orientation turns them a quarter.
+    golden = json.loads((fixtures_dir / "vllm" / "qwen2vl_image_tokens.json").read_text())
+    config = _load(fixtures_dir, "multimodal/qwen2.5-vl-7b-instruct.json")
+    for name, size in golden["processors"].items():
+        rule = MediaProfile.from_config(config, size).rule(Modality.IMAGE)
+        assert rule is not None
+        assert rule.tokens_per_item is not None
+        assert rule.grid == VisionGrid(golden["factor"], size["min_pixels"], size["max_pixels"])
+        for case in golden["cases"]:
+            expected = case["tokens"][name]
+            found = image_size(case["url"])
+            assert found is not None, case["format"]
+            width, height, may_rotate = found
+            assert (width, height) == (case["width"], case["height"])
+            assert may_rotate == isinstance(case["extra"], int)
+            exact = rule.exact_tokens(case["url"])
+            if exact is not None:
+                assert exact == expected, (name, case["format"], width, height)
+            else:
+                # Only an EXIF-turned image whose turn changes its count falls back to the bound.
+                assert may_rotate
+            assert rule.tokens_per_item >= expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://example.invalid/a.png",
+        "data:image/png,rawbytes",
+        "data:image/png;base64,not base64!",
+        "data:image/png;base64,",
+        "data:image/bmp;base64,Qk0eAAAAAAAAABoAAAAMAAAAAQABAAEAGAAAAP8A",
+        "data:image/jpeg;base64,/9j/AAAA",
+    ],
+)
+def test_image_sizes_that_cannot_be_read_are_none(url: str) -> None:
+    assert image_size(url) is None
+
+
+def test_the_bound_holds_at_the_widest_aspect_the_processor_takes() -> None:
+    config = {
+        "model_type": "qwen2_vl",
+        "vision_config": {"patch_size": 14, "spatial_merge_size": 2},
+        "image_token_id": 1,
+    }
+    for max_pixels in (784 * 16, 784 * 64, 784 * 1280, 12_845_056):
+        rule = MediaProfile.from_config(config, {"min_pixels": 3136, "max_pixels": max_pixels}).rule(
+            Modality.IMAGE
+        )
+        assert rule is not None
+        assert rule.grid is not None
+        assert rule.tokens_per_item is not None
+        for long_side in (200, 999, 2000, 5600, 20_000, 60_000):
+            for short_side in (1, 5, long_side // 200, long_side // 3, long_side):
+                for width, height in ((long_side, max(1, short_side)), (max(1, short_side), long_side)):
+                    tokens = rule.grid.tokens(width, height)
+                    if tokens is not None:
+                        assert tokens <= rule.tokens_per_item, (max_pixels, width, height)

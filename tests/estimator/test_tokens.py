@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import shutil
+import struct
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from estimator.media import MEDIA_MARKUP_TOKENS, MediaProfile, MediaRule, Modality
+from estimator.media import MEDIA_MARKUP_TOKENS, MediaProfile, MediaRule, Modality, VisionGrid
 from estimator.tokens import (
     MEDIA_TOKENS_UNKNOWN_CONTEXT,
     RequestBodyError,
@@ -229,6 +232,37 @@ def test_the_rendered_placeholder_is_not_counted_twice(tiny_model_dir: Path) -> 
     assert typed.tokens == image.tokens + 2
 
 
+def _png(width: int, height: int) -> str:
+    """A data URL whose PNG header says width x height (the size is all the counter reads)."""
+    ihdr = struct.pack(">II5B", width, height, 8, 2, 0, 0, 0)
+    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    idat = struct.pack(">I", 0) + b"IDAT" + struct.pack(">I", zlib.crc32(b"IDAT"))
+    return "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + chunk + idat).decode()
+
+
+def test_an_image_of_known_size_counts_exactly(tiny_model_dir: Path) -> None:
+    template = (
+        "{% for m in messages %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}<unk>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    )
+    grid = VisionGrid(factor=28, min_pixels=3136, max_pixels=28 * 28 * 256)
+    media = MediaProfile({Modality.IMAGE: MediaRule(256 + 8, placeholder_token_id=0, grid=grid)})
+    multimodal = _counter_for(tiny_model_dir, media, chat_template=template)
+    text = multimodal.count(
+        Route.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]}
+    )
+    part = {"type": "image_url", "image_url": {"url": _png(640, 480)}}
+    count = multimodal.count(Route.CHAT, _with_part(part, "ab"))
+    assert count.exact
+    assert count.tokens == text.tokens + grid.tokens(640, 480)
+    # A remote image has no size in the body: the bound, and the count says it is one.
+    remote = multimodal.count(
+        Route.CHAT, _with_part({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "ab")
+    )
+    assert not remote.exact
+    assert remote.tokens == text.tokens + 264
+
+
 def test_a_bound_never_passes_the_longest_prompt_vllm_accepts(tiny_model_dir: Path) -> None:
     media = MediaProfile({Modality.IMAGE: MediaRule(5_000), Modality.VIDEO: MediaRule(None)})
     capped = _counter_for(tiny_model_dir, media, max_model_len=1024)
@@ -280,9 +314,10 @@ def test_the_model_folder_decides_what_media_count(
     text = loaded.count(
         Route.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
     )
-    assert (
-        loaded.count(Route.CHAT, _with_part(MEDIA_PARTS[0], "a")).tokens == text.tokens + rule.tokens_per_item
-    )
+    # The 1x1 PNG data URL: resized to 56 x 56 by the processor config's min_pixels, 2 x 2 tokens.
+    assert loaded.count(Route.CHAT, _with_part(MEDIA_PARTS[0], "a")).tokens == text.tokens + 4
+    remote = {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}
+    assert loaded.count(Route.CHAT, _with_part(remote, "a")).tokens == text.tokens + rule.tokens_per_item
     assert loaded.media.rule(Modality.AUDIO) is None
 
 
