@@ -9,7 +9,7 @@ config when present) at load time:
 | family (config) | image tokens per item, at most | from |
 |---|---|---|
 | Qwen2-VL, Qwen2.5-VL, Qwen3-VL (`vision_config.spatial_merge_size`) | max(max_pixels // f^2, sqrt(200 * max_pixels) / f), f = patch_size * spatial_merge_size; exact for a data-URL image when the folder has its processor config | transformers' `smart_resize`, which vLLM's `Qwen2VLProcessingInfo` calls; max_pixels / min_pixels from the processor config (`max_pixels` or `size.longest_edge`) |
-| Gemma 3 (`mm_tokens_per_image`) | (crops + 1) * (mm_tokens_per_image + markup) | `Gemma3ProcessingInfo.get_num_image_tokens`; crops = `pan_and_scan_max_num_crops` when pan-and-scan is on, else 0 |
+| Gemma 3 (`mm_tokens_per_image`) | (crops + 1) * (mm_tokens_per_image + markup), plus the crops' sentence | `Gemma3ProcessingInfo.get_num_image_tokens`; crops = `pan_and_scan_max_num_crops` when pan-and-scan is on, else 0 |
 | Llama 4 (`vision_config.pixel_shuffle_ratio`) | (max_patches + 1) * ((image_size // patch_size)^2 * ratio^2 + 1) + markup | `Mllama4ProcessingInfo.get_patch_per_chunk`, tiles plus the global view and tile separators |
 | Mistral 3 / Pixtral (`spatial_merge_size` beside `vision_config`) | n * (n + 1), n = image_size // (patch_size * spatial_merge_size) | `Mistral3ProcessingInfo`: n rows of n image tokens and a break |
 
@@ -36,6 +36,9 @@ MEDIA_MARKUP_TOKENS = 8
 # Qwen2-VL's image processor default (`Qwen2VLImageProcessor.max_pixels`), used when the folder
 # has no processor config of its own.
 QWEN2_VL_DEFAULT_MAX_PIXELS = 12_845_056
+# Tokens of the sentence vLLM writes around Gemma 3's pan-and-scan crops (about 20 in Gemma's
+# vocabulary), with room to spare.
+GEMMA3_CROP_TEXT_TOKENS = 32
 # Llama 4's image processor default tile count (`Llama4ImageProcessor.max_patches`).
 LLAMA4_DEFAULT_MAX_PATCHES = 16
 
@@ -212,8 +215,10 @@ def _image_rule(
         crops = 0
         if processor.get("do_pan_and_scan"):
             crops = _positive(processor.get("pan_and_scan_max_num_crops")) or 0
+        # With crops vLLM also writes "Here is the original image ... and here are some crops to
+        # help you see better ...": GEMMA3_CROP_TEXT_TOKENS covers that sentence.
         return MediaRule(
-            (crops + 1) * (per_image + MEDIA_MARKUP_TOKENS),
+            (crops + 1) * (per_image + MEDIA_MARKUP_TOKENS) + (GEMMA3_CROP_TEXT_TOKENS if crops else 0),
             _int(config.get("boi_token_index")),
             f"({crops} crops + 1) * (mm_tokens_per_image {per_image} + {MEDIA_MARKUP_TOKENS})",
         )

@@ -18,7 +18,7 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -753,10 +753,9 @@ class TokenCounter:
         if self._tokenizer is None or not (self._has_template or template):
             return (self._approximate_chat(conversation, tools),), False
 
-        messages = conversation.messages
         resolved = template if template is not None else getattr(self._tokenizer, "chat_template", None)
-        if isinstance(resolved, str) and _needs_developer_conversion(messages, resolved):
-            messages = _developer_as_system(messages)
+        if isinstance(resolved, str) and _needs_developer_conversion(conversation.messages, resolved):
+            conversation = replace(conversation, messages=_developer_as_system(conversation.messages))
         variables = self._template_vars if template is None else template_variables(template)
         if variables is not None:
             # vLLM passes on only the kwargs the template or apply_chat_template names
@@ -768,7 +767,9 @@ class TokenCounter:
             render_kwargs["chat_template"] = template
         with self._lock:
             try:
-                prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, **render_kwargs)
+                prompt = self._tokenizer.apply_chat_template(
+                    conversation.messages, tokenize=False, **render_kwargs
+                )
             except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
                 # vLLM answers 400 when the template rejects the conversation.
                 raise RequestBodyError(f"the chat template rejected the messages: {exc}", "messages") from exc

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from estimator.media import (
+    GEMMA3_CROP_TEXT_TOKENS,
     LLAMA4_DEFAULT_MAX_PATCHES,
     MEDIA_MARKUP_TOKENS,
     QWEN2_VL_DEFAULT_MAX_PIXELS,
@@ -69,7 +70,7 @@ def test_gemma3_counts_its_fixed_tokens_per_image(fixtures_dir: Path) -> None:
     scanned = MediaProfile.from_config(config, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 4})
     rule = scanned.rule(Modality.IMAGE)
     assert rule is not None
-    assert rule.tokens_per_item == 5 * (256 + MEDIA_MARKUP_TOKENS)
+    assert rule.tokens_per_item == 5 * (256 + MEDIA_MARKUP_TOKENS) + GEMMA3_CROP_TEXT_TOKENS
     assert MediaProfile.from_config(config).rule(Modality.AUDIO) is None
 
 
