@@ -756,7 +756,8 @@ class TokenCounter:
         resolved = template if template is not None else getattr(self._tokenizer, "chat_template", None)
         if isinstance(resolved, str) and _needs_developer_conversion(conversation.messages, resolved):
             conversation = replace(conversation, messages=_developer_as_system(conversation.messages))
-        variables = self._template_vars if template is None else template_variables(template)
+        own = template is None or template == self._chat_template
+        variables = self._template_vars if own else template_variables(template)
         if variables is not None:
             # vLLM passes on only the kwargs the template or apply_chat_template names
             # (resolve_chat_template_kwargs); a stray key must not break the render here.
