@@ -12,23 +12,34 @@ Without a tokenizer the counter still answers, approximately, and says so (`exac
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
+import jinja2.parser
+import jinja2.sandbox
+
+from estimator.media import MEDIA_MARKUP_TOKENS, MediaProfile, Modality
 
 # Without a tokenizer, text is counted as UTF-8 bytes over this ratio: about right for English
 # BPE vocabularies and deliberately on the high side for code and non-Latin scripts.
 APPROX_BYTES_PER_TOKEN = 3.0
 # Per-message overhead of a typical chat template, for approximate counts only.
 APPROX_TOKENS_PER_MESSAGE = 4
+# Tokens reserved per media item whose bound is "the rest of the context" when the context
+# length is not known either (a counter built without max_model_len).
+MEDIA_TOKENS_UNKNOWN_CONTEXT = 32_768
 
 ContentFormat = Literal["auto", "string", "openai"]
 
@@ -104,37 +115,186 @@ def _is_token_ids(value: Any) -> bool:
 
 # ---------------------------------------------------------------- chat normalisation
 
-_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal"})
+# Content part types as vLLM 0.32 parses them (vllm/renderers/chat_utils.py, MM_PARSER_MAP):
+# text-like parts and the key holding their text, media parts and their modality.
+_TEXT_PART_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# vLLM skips these when their text is null or missing (PART_TYPES_TO_SKIP_NONE_CONTENT).
+_SKIP_NONE_PART_TYPES = frozenset({"text", "refusal"})
+_MEDIA_PART_TYPES = {
+    "image_url": Modality.IMAGE,
+    "input_image": Modality.IMAGE,
+    "image_pil": Modality.IMAGE,
+    "image_embeds": Modality.IMAGE,
+    "audio_url": Modality.AUDIO,
+    "input_audio": Modality.AUDIO,
+    "audio_embeds": Modality.AUDIO,
+    "video_url": Modality.VIDEO,
+    "video_embeds": Modality.VIDEO,
+}
+_KNOWN_PART_TYPES = (
+    frozenset(_TEXT_PART_KEYS) | frozenset(_MEDIA_PART_TYPES) | {"prompt_embeds", "tool_reference"}
+)
+# A part without a `type` (or with a `uuid`) is typed by the first of these keys it holds.
+_UNTYPED_PART_KEYS = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+# Typed media parts whose value vLLM validates as {"url": str, ...}.
+_URL_PART_TYPES = frozenset({"image_url", "audio_url", "video_url"})
+# vLLM drops the first line of system text that starts with this (Claude Code's attribution
+# header changes on every request and would defeat the prefix cache).
+_BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def _text_parts(content: Any, param: str) -> tuple[list[str], bool]:
-    """The text of a message's content, and whether anything else (images, audio) was dropped."""
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One image, audio or video part of a chat body; `param` says where it is."""
+
+    modality: Modality
+    part_type: str
+    param: str
+    url: str | None = None  # an image's URL, whose data may say its size
+
+
+@dataclass(frozen=True, slots=True)
+class _Content:
+    template_content: Any  # what the chat template sees: a string or a list of part dicts
+    texts: list[str]
+    media: list[MediaItem]
+
+
+def _part_type(part: Mapping[str, Any], where: str) -> str:
+    """The type vLLM gives a content part, or RequestBodyError where vLLM answers 400."""
+    part_type = part.get("type")
+    if isinstance(part_type, str) and part_type in _KNOWN_PART_TYPES and part.get("uuid") is None:
+        return part_type
+    if part_type is None or part.get("uuid") is not None:
+        for key in _UNTYPED_PART_KEYS:
+            if key in part:
+                return key
+        raise RequestBodyError(f"'{where}' has no 'type' field and no media field", f"{where}.type")
+    if not isinstance(part_type, str):
+        raise RequestBodyError(f"'{where}.type' must be a string", f"{where}.type")
+    supported = ", ".join(sorted(_KNOWN_PART_TYPES))
+    raise RequestBodyError(
+        f"unsupported chat content part type {part_type!r} at '{where}'; supported types: {supported}",
+        f"{where}.type",
+    )
+
+
+def _parse_content(
+    content: Any,
+    param: str,
+    role: str,
+    content_format: Literal["string", "openai"],
+    media: MediaProfile,
+) -> _Content:
+    """A message's content as vLLM hands it to the template, with its media items.
+
+    Media parts the served model cannot take are refused here (vLLM answers 400 for them), so
+    that they never reach the queue; the others are counted by the caller, never as zero."""
     if content is None:
-        return [], False
-    if isinstance(content, str):
-        return [content], False
-    parts = _expect_list(content, param)
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [content]
+    else:
+        parts = _expect_list(content, param)
     texts: list[str] = []
-    non_text = False
+    items: list[Any] = []  # openai format: part dicts in order
+    found: list[MediaItem] = []
     for index, part in enumerate(parts):
-        where = f"{param}[{index}]"
+        where = param if isinstance(content, str) else f"{param}[{index}]"
         if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise RequestBodyError(f"'{where}' must be an object or a string", where)
-        part_type = part.get("type")
-        if not isinstance(part_type, str):
-            raise RequestBodyError(f"'{where}.type' must be a string", f"{where}.type")
-        if part_type in _TEXT_PART_TYPES:
-            key = "refusal" if part_type == "refusal" else "text"
-            text = part.get(key)
-            if not isinstance(text, str):
-                raise RequestBodyError(f"'{where}.{key}' must be a string", f"{where}.{key}")
-            texts.append(text)
+            text: str | None = part
+        elif isinstance(part, Mapping):
+            part_type = _part_type(part, where)
+            text = None
+            if part_type in _TEXT_PART_KEYS:
+                key = _TEXT_PART_KEYS[part_type]
+                value = part.get(key)
+                if value is None and part_type in _SKIP_NONE_PART_TYPES:
+                    continue
+                if not isinstance(value, str):
+                    raise RequestBodyError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+                text = value
+            elif part_type == "tool_reference":
+                # Not media: the template expands the referenced tool.
+                name = part.get("name")
+                if content_format == "openai":
+                    items.append({"type": "tool_reference", "name": name})
+                elif isinstance(name, str) and name:
+                    texts.append(name)
+                continue
+            elif part_type == "prompt_embeds":
+                raise RequestBodyError(
+                    f"'{where}' is a prompt_embeds part: vLLM takes them only when started with "
+                    "--enable-prompt-embeds, and the gateway cannot count them",
+                    where,
+                )
+            else:
+                found.append(_media_item(part, part_type, where, media))
+                if content_format == "openai":
+                    items.append({"type": _MEDIA_PART_TYPES[part_type].value})
+                continue
         else:
-            non_text = True
-    return texts, non_text
+            raise RequestBodyError(f"'{where}' must be an object or a string", where)
+        if text is None:
+            continue
+        if role == "system" and text.startswith(_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        texts.append(text)
+        if content_format == "openai":
+            items.append({"type": "text", "text": text})
+    template_content: Any
+    if content_format == "openai":
+        template_content = items
+        if role == "tool" and all(item["type"] == "text" for item in items):
+            # vLLM flattens text-only tool results to a string whatever the template expects.
+            template_content = "\n".join(texts)
+    else:
+        template_content = "\n".join(texts)
+    return _Content(template_content, texts, found)
+
+
+def _media_item(part: Mapping[str, Any], part_type: str, where: str, media: MediaProfile) -> MediaItem:
+    modality = _MEDIA_PART_TYPES[part_type]
+    if media.rule(modality) is None:
+        if not media.multimodal:
+            raise RequestBodyError(
+                f"'{where}' is a content part of type '{part_type}', but the served model is not "
+                "a multimodal model: it takes text only",
+                where,
+            )
+        raise RequestBodyError(
+            f"'{where}' is a content part of type '{part_type}', but the served model takes no {modality} input",
+            where,
+        )
+    if part_type in _URL_PART_TYPES and part.get("type") == part_type:
+        value = part.get(part_type)
+        if not isinstance(value, Mapping) or not isinstance(value.get("url"), str):
+            raise RequestBodyError(
+                f"'{where}.{part_type}' must be an object with a 'url' string", f"{where}.{part_type}"
+            )
+    url: Any = part.get("image_url") if part_type in ("image_url", "input_image") else None
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    return MediaItem(modality, part_type, where, url if isinstance(url, str) else None)
 
 
 def _normalise_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -209,16 +369,20 @@ def _tool_calls_for_template(tool_calls: Any, param: str) -> list[dict[str, Any]
 @dataclass(frozen=True, slots=True)
 class _Conversation:
     messages: list[dict[str, Any]]
-    dropped_non_text: bool
+    texts: list[str]  # every text the messages hold, for approximate counts
+    media: list[MediaItem]
 
 
-def _normalise_messages(messages: Any, content_format: Literal["string", "openai"]) -> _Conversation:
+def _normalise_messages(
+    messages: Any, content_format: Literal["string", "openai"], media: MediaProfile
+) -> _Conversation:
     """Messages as vLLM passes them to the chat template (vllm/renderers/chat_utils.py)."""
     items = _expect_list(messages, "messages")
     if not items:
         raise RequestBodyError("'messages' must not be empty", "messages")
     conversation: list[dict[str, Any]] = []
-    dropped = False
+    texts: list[str] = []
+    found: list[MediaItem] = []
     for index, message in enumerate(items):
         where = f"messages[{index}]"
         if not isinstance(message, Mapping):
@@ -226,24 +390,20 @@ def _normalise_messages(messages: Any, content_format: Literal["string", "openai
         role = message.get("role")
         if not isinstance(role, str):
             raise RequestBodyError(f"'{where}.role' must be a string", f"{where}.role")
-        texts, non_text = _text_parts(message.get("content"), f"{where}.content")
-        dropped = dropped or non_text
-        content: Any
-        if content_format == "openai":
-            content = [{"type": "text", "text": text} for text in texts]
-        else:
-            content = "\n".join(texts)
-        if role == "tool" and isinstance(content, list):
-            # vLLM flattens text-only tool results to a string whatever the template expects.
-            content = "\n".join(texts)
-        entry: dict[str, Any] = {"role": role, "content": content}
+        parsed = _parse_content(message.get("content"), f"{where}.content", role, content_format, media)
+        texts.extend(parsed.texts)
+        found.extend(parsed.media)
+        entry: dict[str, Any] = {"role": role, "content": parsed.template_content}
         if role == "assistant":
             tool_calls = message.get("tool_calls")
             if tool_calls is not None:
                 calls = _tool_calls_for_template(tool_calls, f"{where}.tool_calls")
                 if calls:
                     entry["tool_calls"] = calls
+            # vLLM renames the deprecated `reasoning_content` to `reasoning` before parsing.
             reasoning = message.get("reasoning")
+            if reasoning is None:
+                reasoning = message.get("reasoning_content")
             if reasoning is not None:
                 entry["reasoning"] = reasoning
                 entry["reasoning_content"] = reasoning
@@ -251,8 +411,12 @@ def _normalise_messages(messages: Any, content_format: Literal["string", "openai
             entry["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        if isinstance(message.get("task"), str):
+            entry["task"] = message["task"]
+        if role == "developer":
+            entry["tools"] = message.get("tools")
         conversation.append(entry)
-    return _Conversation(conversation, dropped)
+    return _Conversation(conversation, texts, found)
 
 
 def detect_content_format(chat_template: str) -> Literal["string", "openai"]:
@@ -290,6 +454,156 @@ def _refers_to(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bo
     return False
 
 
+def _needs_developer_conversion(messages: list[dict[str, Any]], chat_template: str) -> bool:
+    """vLLM turns developer messages into system ones for a template that never names the role
+    (renderers/hf.py _detect_developer_role_support)."""
+    named = '"developer"' in chat_template or "'developer'" in chat_template
+    return not named and any(message["role"] == "developer" for message in messages)
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Developer messages as system ones, all system messages merged into one at the front when
+    one is not already alone there (vLLM's _convert_developer_to_system and
+    _consolidate_system_messages)."""
+    converted = []
+    for message in messages:
+        if message["role"] == "developer":
+            message = {**message, "role": "system"}
+            message.pop("tools", None)
+        converted.append(message)
+    system_texts: list[str] = []
+    others: list[dict[str, Any]] = []
+    consolidate = False
+    for index, message in enumerate(converted):
+        if message["role"] != "system":
+            others.append(message)
+            continue
+        if index > 0 or system_texts:
+            consolidate = True
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                part if isinstance(part, str) else part["text"]
+                for part in content
+                if isinstance(part, str) or (isinstance(part, Mapping) and "text" in part)
+            )
+        if content:
+            system_texts.append(content)
+    if not consolidate:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_texts)}, *others]
+
+
+# ---------------------------------------------------------------- template kwargs
+
+# vLLM treats these values as "not given" when it merges kwargs (renderers/params.py merge_kwargs).
+_UNSET_VALUES: tuple[object, ...] = (None, "auto")
+
+
+def _merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    return {**defaults, **{k: v for k, v in overrides.items() if not _is_unset(v)}}
+
+
+def _is_unset(value: Any) -> bool:
+    return any(value is unset or (isinstance(value, str) and value == unset) for unset in _UNSET_VALUES)
+
+
+def _template_kwargs(
+    user: Mapping[str, Any],
+    *,
+    tools: list[dict[str, Any]] | None,
+    documents: Any,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    reasoning_effort: Any,
+) -> dict[str, Any]:
+    """The chat template's keyword arguments, merged exactly as vLLM 0.32 merges them.
+
+    ChatCompletionRequest.build_chat_params lays the request's own fields over
+    `chat_template_kwargs` (add_generation_prompt and continue_final_message always win, as they
+    always have a value; documents and reasoning_effort win when given); the serving layer then
+    lays the result over its defaults, which hold the request's `tools` and `tokenize=False`,
+    so `tools` and `tokenize` inside chat_template_kwargs win over the request's. A None or "auto"
+    value never overrides anything."""
+    extra: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "documents": documents,
+        "reasoning_effort": reasoning_effort,
+    }
+    if reasoning_effort is not None and "enable_thinking" not in user:
+        extra["enable_thinking"] = reasoning_effort != "none"
+    defaults: dict[str, Any] = {"tokenize": False}
+    if tools is not None:
+        defaults["tools"] = tools
+    return _merge(defaults, _merge(dict(user), extra))
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Parses `{% generation %}...{% endgeneration %}` as Hugging Face templates use it, so that
+    templates with it parse (for their variable names only; nothing is rendered here)."""
+
+    tags = {"generation"}  # noqa: RUF012  (jinja2 declares it an instance attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def template_variables(chat_template: str) -> frozenset[str] | None:
+    """The names a chat template reads from its context, or None when it does not parse."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+def _named_parameters(function: Any) -> frozenset[str]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(
+        p.name
+        for p in parameters
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    )
+
+
+def _load_media_profile(sources: Sequence[str | Path]) -> MediaProfile:
+    """The model's media profile from the config.json (and processor config) of the first source,
+    a local folder or a model id in the local Hugging Face cache, that has one; unknown when none
+    has (every modality is then taken and bounded by the context)."""
+    for source in sources:
+        config = _read_model_json(source, "config.json")
+        if config is not None:
+            return MediaProfile.from_config(config, _read_model_json(source, "preprocessor_config.json"))
+    return MediaProfile.unknown()
+
+
+def _read_model_json(path_or_id: str | Path, filename: str) -> dict[str, Any] | None:
+    folder = Path(path_or_id)
+    path: Path | None = folder / filename if folder.is_dir() else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        cached = try_to_load_from_cache(str(path_or_id), filename)
+        path = Path(cached) if isinstance(cached, str) else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
 # ---------------------------------------------------------------- the counter
 
 
@@ -303,8 +617,11 @@ class TokenCounter:
         chat_template: str | None = None,
         content_format: ContentFormat = "auto",
         max_model_len: int | None = None,
+        media: MediaProfile | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        # What the served model does with media parts; unknown without its config.json.
+        self._media = media if media is not None else MediaProfile.unknown()
         # Fast tokenizers mutate internal state on every call; concurrent calls from several
         # threads can fail with "Already borrowed". A lock keeps counting safe in a thread pool.
         self._lock = threading.Lock()
@@ -322,6 +639,11 @@ class TokenCounter:
         vocab = getattr(tokenizer, "get_vocab", None)
         ids = vocab().values() if callable(vocab) else ()
         self._max_token_id: int | None = max(ids, default=None)
+        # The keyword arguments the tokenizer's apply_chat_template names: vLLM passes a request's
+        # chat_template_kwargs on only when the template or this signature names them.
+        render = getattr(tokenizer, "apply_chat_template", None)
+        self._render_params = _named_parameters(render) if render is not None else frozenset()
+        self._template_vars = template_variables(template) if isinstance(template, str) else None
 
     @classmethod
     def from_pretrained(
@@ -330,18 +652,31 @@ class TokenCounter:
         *,
         content_format: ContentFormat = "auto",
         max_model_len: int | None = None,
+        config_sources: Sequence[str | Path] = (),
     ) -> TokenCounter:
         """Load a tokenizer from a model folder or a model id in the local Hugging Face cache
-        (never from the network). Raises OSError when none can be loaded."""
+        (never from the network). Raises OSError when none can be loaded.
+
+        The model's config.json, which says what media it takes, is read from the same place,
+        else from the first of `config_sources` (other names of the served model) that has one."""
         from transformers import AutoTokenizer  # heavy import, kept off the CLI's fast path
 
         tokenizer = AutoTokenizer.from_pretrained(str(path_or_id), local_files_only=True)
-        return cls(tokenizer, content_format=content_format, max_model_len=max_model_len)
+        return cls(
+            tokenizer,
+            content_format=content_format,
+            max_model_len=max_model_len,
+            media=_load_media_profile([path_or_id, *config_sources]),
+        )
 
     @classmethod
-    def approximate(cls) -> TokenCounter:
+    def approximate(cls, *, max_model_len: int | None = None) -> TokenCounter:
         """A counter without a tokenizer: counts are estimates and say so."""
-        return cls(None)
+        return cls(None, max_model_len=max_model_len)
+
+    @property
+    def media(self) -> MediaProfile:
+        return self._media
 
     @property
     def exact(self) -> bool:
@@ -379,7 +714,7 @@ class TokenCounter:
     # chat ---------------------------------------------------------------------------------
 
     def _count_chat(self, body: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
-        conversation = _normalise_messages(body.get("messages"), self._content_format)
+        conversation = _normalise_messages(body.get("messages"), self._content_format, self._media)
         add_generation_prompt = _expect_bool(body, "add_generation_prompt", True)
         continue_final_message = _expect_bool(body, "continue_final_message", False)
         if add_generation_prompt and continue_final_message:
@@ -388,30 +723,47 @@ class TokenCounter:
                 "continue_final_message",
             )
         add_special_tokens = _expect_bool(body, "add_special_tokens", False)
-        tools = _normalise_tools(body.get("tools"))
         documents = body.get("documents")
         if documents is not None:
             _expect_list(documents, "documents")
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is None:
-            kwargs = {}
-        if not isinstance(kwargs, Mapping):
+        user_kwargs = body.get("chat_template_kwargs")
+        if user_kwargs is None:
+            user_kwargs = {}
+        if not isinstance(user_kwargs, Mapping):
             raise RequestBodyError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        reasoning_effort = body.get("reasoning_effort")
         request_template = body.get("chat_template")
         if request_template is not None and not isinstance(request_template, str):
             raise RequestBodyError("'chat_template' must be a string", "chat_template")
+        kwargs = _template_kwargs(
+            user_kwargs,
+            tools=_normalise_tools(body.get("tools")),
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            reasoning_effort=reasoning_effort,
+        )
+        tools = kwargs.pop("tools", None)
+        tokenize = bool(kwargs.pop("tokenize", False))
+        # The request's own template, else the server's, else one in the kwargs, else the
+        # tokenizer's: vLLM's order (ChatParams.get_apply_chat_template_kwargs).
+        template = request_template or self._chat_template or kwargs.pop("chat_template", None)
+        kwargs.pop("chat_template", None)
 
-        if self._tokenizer is None or not (self._has_template or request_template):
-            return (self._approximate_chat(conversation.messages, tools),), False
+        if self._tokenizer is None or not (self._has_template or template):
+            return (self._approximate_chat(conversation, tools),), False
 
-        render_kwargs: dict[str, Any] = {
-            **kwargs,
-            "tools": tools,
-            "documents": documents,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
-        template = request_template or self._chat_template
+        resolved = template if template is not None else getattr(self._tokenizer, "chat_template", None)
+        if isinstance(resolved, str) and _needs_developer_conversion(conversation.messages, resolved):
+            conversation = replace(conversation, messages=_developer_as_system(conversation.messages))
+        own = template is None or template == self._chat_template
+        variables = self._template_vars if own else template_variables(template)
+        if variables is not None:
+            # vLLM passes on only the kwargs the template or apply_chat_template names
+            # (resolve_chat_template_kwargs); a stray key must not break the render here.
+            kwargs = {k: v for k, v in kwargs.items() if k in variables or k in self._render_params}
+        kwargs["return_dict"] = False
+        render_kwargs: dict[str, Any] = {**kwargs, "tools": tools}
         if template is not None:
             render_kwargs["chat_template"] = template
         with self._lock:
@@ -424,29 +776,97 @@ class TokenCounter:
                 raise RequestBodyError(f"the chat template rejected the messages: {exc}", "messages") from exc
             if not isinstance(prompt, str):
                 raise RequestBodyError("the chat template did not render text", "messages")
-            tokens = len(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        return (tokens,), not conversation.dropped_non_text
+            # With `tokenize` in the kwargs vLLM takes the template's own token ids, which
+            # never get special tokens added (and are cut at max_length when asked).
+            ids = self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens and not tokenize)
+        tokens = len(ids)
+        if tokenize and kwargs.get("truncation") and isinstance(kwargs.get("max_length"), int):
+            tokens = min(tokens, kwargs["max_length"])
+        if conversation.media:
+            with_media, exact = self._with_media(tokens, ids, conversation.media, body)
+            return (with_media,), exact
+        return (tokens,), True
 
-    @staticmethod
-    def _approximate_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        text_bytes = 0
+    def _with_media(
+        self, text_tokens: int, ids: Sequence[int] | None, media: list[MediaItem], body: Mapping[str, Any]
+    ) -> tuple[int, bool]:
+        """The prompt with its media items counted, and whether that count is exact.
+
+        An image whose size is in the body (a data URL) counts exactly where the model's resize
+        formula and processor config are known (estimator/media.py); every other item counts at
+        its bound. The placeholder a template rendered for an item is replaced by the item's
+        tokens, so it is taken out once per item. An item without a formula, or processor kwargs
+        from the request that may change the items' size, reserves the rest of the context. A
+        bound never takes the prompt past the longest one vLLM accepts (max_model_len - 1)
+        unless the text alone does, so that it never makes the gateway refuse what vLLM serves."""
+        total = text_tokens
+        exact = ids is not None
+        processor_kwargs = body.get("mm_processor_kwargs") is not None
+        unbounded = processor_kwargs
+        by_modality = Counter(item.modality for item in media)
+        for modality, count in by_modality.items():
+            rule = self._media.rule(modality)
+            if rule is None:  # refused while parsing; kept for the type checker
+                continue
+            hits = 0
+            if ids is not None and rule.placeholder_token_id is not None:
+                hits = min(count, sum(1 for token in ids if token == rule.placeholder_token_id))
+                total -= hits
+            if hits < count:
+                exact = False  # a placeholder we cannot see: its own tokens stay in the text
+            for item in media:
+                if item.modality is not modality:
+                    continue
+                tokens = None if processor_kwargs else rule.exact_tokens(item.url)
+                if tokens is not None:
+                    total += tokens
+                    continue
+                exact = False
+                if rule.tokens_per_item is None:
+                    unbounded = True
+                else:
+                    total += rule.tokens_per_item
+            if self._content_format == "string":
+                # vLLM puts the model's placeholder text beside the message text itself.
+                total += count * MEDIA_MARKUP_TOKENS
+                exact = False
+        ceiling = self._max_model_len - 1 if self._max_model_len else None
+        if ceiling is None:
+            return total + (
+                len(media) * MEDIA_TOKENS_UNKNOWN_CONTEXT if unbounded else 0
+            ), exact and not unbounded
+        if text_tokens > ceiling:
+            return text_tokens, False
+        if unbounded:
+            return ceiling, False
+        return min(max(total, text_tokens), ceiling), exact and total <= ceiling
+
+    def _approximate_chat(self, conversation: _Conversation, tools: Any) -> int:
+        messages = conversation.messages
+        text_bytes = sum(len(text.encode()) for text in conversation.texts)
         for message in messages:
-            content = message["content"]
-            if isinstance(content, list):
-                text_bytes += sum(len(part["text"].encode()) for part in content)
-            else:
-                text_bytes += len(str(content).encode())
             if "tool_calls" in message:
                 text_bytes += len(json.dumps(message["tool_calls"]).encode())
         if tools:
-            text_bytes += len(json.dumps(tools).encode())
-        return math.ceil(text_bytes / APPROX_BYTES_PER_TOKEN) + APPROX_TOKENS_PER_MESSAGE * (
+            text_bytes += len(json.dumps(tools, default=str).encode())
+        tokens = math.ceil(text_bytes / APPROX_BYTES_PER_TOKEN) + APPROX_TOKENS_PER_MESSAGE * (
             len(messages) + 1
         )
+        if conversation.media:
+            return self._with_media(tokens, None, conversation.media, {})[0]
+        return tokens
 
     # completions --------------------------------------------------------------------------
 
     def _count_completions(self, body: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
+        if body.get("prompt_embeds") is not None:
+            # Their length is in a serialized tensor the gateway does not decode; vLLM refuses
+            # them unless started with --enable-prompt-embeds.
+            raise RequestBodyError(
+                "'prompt_embeds' needs a backend started with --enable-prompt-embeds, and the "
+                "gateway cannot count it",
+                "prompt_embeds",
+            )
         if "prompt" not in body or body["prompt"] is None:
             raise RequestBodyError("'prompt' is required", "prompt")
         prompts = self._split_prompts(body["prompt"])

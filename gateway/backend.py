@@ -108,13 +108,18 @@ def load_token_counter(candidates: Sequence[str], *, max_model_len: int | None) 
     """
     for candidate in candidates:
         try:
-            counter = TokenCounter.from_pretrained(candidate, max_model_len=max_model_len)
+            # The served model's config.json says which media it takes (estimator/media.py);
+            # a tokenizer-only folder has none, so the other candidates are asked too.
+            counter = TokenCounter.from_pretrained(
+                candidate, max_model_len=max_model_len, config_sources=candidates
+            )
         except (OSError, ValueError) as exc:
             log.info("no local tokenizer at %r: %s", candidate, exc)
             continue
+        log.info("media parts for %r: %s", candidate, counter.media.describe())
         return counter, candidate
     log.warning(
         "no tokenizer found locally (tried %s): prompt tokens are estimated from bytes",
         ", ".join(candidates) or "nothing",
     )
-    return TokenCounter.approximate(), "approximate"
+    return TokenCounter.approximate(max_model_len=max_model_len), "approximate"
