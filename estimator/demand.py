@@ -236,6 +236,9 @@ def output_limits(
 
     Raises ContextLengthError when the prompt or the cap does not fit the context as
     `rules.context` checks it, RequestBodyError for any other value the backend refuses.
+    An estimated prompt count (no tokenizer) may be off either way: nothing is refused on its
+    account (the backend, which counts exactly, decides), and it bounds the output at most
+    to one token short of the context.
     """
     limit = rules.max_model_len
     requested, param = requested_output(route, body)
@@ -244,6 +247,8 @@ def output_limits(
     echo = _field(body, "echo", _OPTIONAL_BOOL if route is Route.COMPLETIONS else _BOOL, False)
     prompt_param = "messages" if route is Route.CHAT else "prompt"
     longest, shortest = prompt.longest, min(prompt.per_prompt, default=0)
+    if not prompt.exact:
+        longest, shortest = min(longest, limit - 1), min(shortest, limit - 1)
 
     if rules.context is ContextRule.CLAMP and requested is not None and requested > limit:
         # TokenizeParams: checked before the prompt is even tokenized.
@@ -258,7 +263,12 @@ def output_limits(
             "which leaves nothing for the answer",
             prompt_param,
         )
-    if rules.context is ContextRule.STRICT and requested is not None and longest + requested > limit:
+    if (
+        rules.context is ContextRule.STRICT
+        and prompt.exact
+        and requested is not None
+        and longest + requested > limit
+    ):
         raise ContextLengthError(
             f"this model's maximum context length is {limit} tokens; the prompt has {longest} "
             f"and {param} asks for {requested} more ({longest + requested} in all)",
@@ -274,13 +284,13 @@ def output_limits(
         raise RequestBodyError(f"{param} must be at least 1, got {tightest}", param)
     if min_tokens < 0:
         raise RequestBodyError(f"min_tokens must be at least 0, got {min_tokens}", "min_tokens")
-    if min_tokens > tightest:
+    if min_tokens > (tightest if prompt.exact else widest if requested is None else requested):
         raise RequestBodyError(
             f"min_tokens ({min_tokens}) must not exceed the output cap ({tightest} tokens: "
             f"{param}, or what is left of the context)",
             "min_tokens",
         )
-    return OutputLimits(cap=widest, floor=widest if ignore_eos else min_tokens)
+    return OutputLimits(cap=widest, floor=widest if ignore_eos else min(min_tokens, widest))
 
 
 def output_cap(route: Route, body: Mapping[str, Any], prompt: PromptCount, rules: ServingRules) -> int:

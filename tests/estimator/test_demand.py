@@ -112,6 +112,27 @@ def test_output_limit_refusals(
 
 
 @pytest.mark.parametrize(
+    ("body", "counts", "expected"),
+    [
+        ({"max_tokens": 30}, (1500,), OutputLimits(1, 0)),  # an estimate past the context
+        ({"max_tokens": 30, "min_tokens": 20}, (1010,), OutputLimits(14, 14)),
+        ({"max_tokens": 30, "min_tokens": 20, "ignore_eos": True}, (10, 2000), OutputLimits(30, 30)),
+        ({}, (1100,), OutputLimits(1, 0)),
+    ],
+)
+def test_an_estimated_prompt_refuses_nothing_on_its_own_account(
+    body: dict[str, Any], counts: tuple[int, ...], expected: OutputLimits
+) -> None:
+    # Counted without a tokenizer the prompt may be shorter than it seems: vLLM decides.
+    estimate = PromptCount(per_prompt=counts, exact=False)
+    assert output_limits(Route.COMPLETIONS, body, estimate, CLAMP) == expected
+    assert output_limits(Route.COMPLETIONS, body, estimate, STRICT) == expected
+    # A cap beyond the context does not depend on the prompt: refused all the same.
+    with pytest.raises(ContextLengthError):
+        output_limits(Route.COMPLETIONS, {"max_tokens": 1025}, estimate, CLAMP)
+
+
+@pytest.mark.parametrize(
     ("body", "prompt", "expected"),
     [
         ({"max_tokens": 924}, 100, 924),
