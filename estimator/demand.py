@@ -63,7 +63,8 @@ class ServingRules:
     `prefix_caching`: vLLM's prefix cache is on (`vllm:cache_config_info`); only then do the
     parallel samples of one prompt share its full blocks. Unknown counts as off.
     `honours_best_of`: the backend runs `best_of` sequences per prompt (vLLM before the V1
-    engine); vLLM 0.32's protocol has no such field and ignores it.
+    engine; assumed for every version before 0.32); vLLM 0.32's protocol has no such field
+    and ignores it.
     """
 
     max_model_len: int
@@ -73,12 +74,14 @@ class ServingRules:
 
     @classmethod
     def for_version(cls, version: str | None, max_model_len: int, *, prefix_caching: bool) -> ServingRules:
-        context = ContextRule.for_version(version)
+        """The rules of a backend reporting `version`. Unknown, it gets the current context
+        rule but its `best_of` is counted: over-reserving is the safe mistake there."""
+        release = _release(version)
         return cls(
             max_model_len=max_model_len,
-            context=context,
+            context=ContextRule.for_version(version),
             prefix_caching=prefix_caching,
-            honours_best_of=context is ContextRule.STRICT,
+            honours_best_of=release is None or release < CLAMPING_SINCE,
         )
 
 
