@@ -289,3 +289,26 @@ def test_every_accepted_body_reserves_what_vllm_allocates(
             assert reserved >= allocated_blocks(lengths, floors, shares_prefix), (case, floors)
     for gateway in (cold, warm):
         gateway.wait_until(ledger_is_empty, what="the ledger to balance")
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, 3 + 3 * 1),  # 120 tokens, 4 blocks a sequence: the first 3 shared, 1 each
+        ({"prompt_logprobs": 0}, 3 * 4),  # vLLM skips the prefix cache for prompt logprobs
+        ({"echo": True, "logprobs": 0}, 3 * 4),  # so does echo with logprobs
+        ({"echo": True}, 3 + 3 * 1),  # echo alone does not
+    ],
+)
+def test_parallel_samples_share_prompt_blocks_as_vllm_does(
+    cold: Served, fields: dict[str, Any], expected: int
+) -> None:
+    reading = cold.call(lambda: cold.gateway.budget.reading)
+    assert reading is not None
+    assert reading.prefix_caching is True
+    body = completion_body(100, max_tokens=20, ignore_eos=True, n=3, temperature=1.0, **fields)
+    answer = httpx.post(f"{cold.url}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 60
+    assert int(answer.headers["x-kvgate-blocks"]) == expected
+    cold.wait_until(ledger_is_empty, what="the ledger to balance")
