@@ -1,8 +1,11 @@
 """What a backend serves (`/v1/models`), and where its tokenizer comes from.
 
 vLLM's `/v1/models` lists each served name with `max_model_len` and `root` (the folder or id
-it loaded). The gateway needs the context limit to validate requests and the root to find
-the very tokenizer vLLM uses. Tokenizers load only from a local folder or the local Hugging
+it loaded); LoRA adapters appear beside their base with a `parent` and no `max_model_len`
+(they run in the base's engine, with its context and its tokenizer). The gateway needs the
+context limit to validate requests, the root to find the very tokenizer vLLM uses, and the
+version (`/version`) because vLLM's validation of output caps changed between versions (see
+`estimator.demand.ContextRule`). Tokenizers load only from a local folder or the local Hugging
 Face cache, never from the network.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -25,11 +28,13 @@ class ServedModel:
     id: str
     root: str | None
     max_model_len: int | None
+    parent: str | None = None  # the base model of a LoRA adapter
 
 
 @dataclass(frozen=True, slots=True)
 class BackendInfo:
     models: tuple[ServedModel, ...]
+    version: str | None = None  # what the backend's /version says; None when it does not say
 
     def find(self, name: str) -> ServedModel | None:
         for model in self.models:
@@ -49,7 +54,7 @@ class DiscoveryError(Exception):
     pass
 
 
-def parse_models(payload: Any) -> BackendInfo:
+def parse_models(payload: Any, version: str | None = None) -> BackendInfo:
     """Read an OpenAI `/v1/models` answer; raise DiscoveryError when it lists no model."""
     if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
         raise DiscoveryError("the backend's /v1/models answer has no 'data' list")
@@ -57,7 +62,7 @@ def parse_models(payload: Any) -> BackendInfo:
     for item in payload["data"]:
         if not isinstance(item, Mapping) or not isinstance(item.get("id"), str):
             continue
-        root = item.get("root")
+        root, parent = item.get("root"), item.get("parent")
         limit = item.get("max_model_len")
         models.append(
             ServedModel(
@@ -66,24 +71,59 @@ def parse_models(payload: Any) -> BackendInfo:
                 max_model_len=limit
                 if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
                 else None,
+                parent=parent if isinstance(parent, str) and parent and parent != item["id"] else None,
             )
         )
     if not models:
         raise DiscoveryError("the backend serves no model")
-    return BackendInfo(tuple(models))
+    # An adapter without a context of its own runs in its base's engine: it has the base's.
+    by_id = {model.id: model for model in models}
+    for index, model in enumerate(models):
+        base = by_id.get(model.parent) if model.parent else None
+        if model.max_model_len is None and base is not None and base.max_model_len is not None:
+            models[index] = replace(model, max_model_len=base.max_model_len)
+    return BackendInfo(tuple(models), version)
+
+
+def parse_version(payload: Any) -> str | None:
+    """The version in a vLLM `/version` answer (`{"version": "0.32.0"}`), else None."""
+    if isinstance(payload, Mapping):
+        version = payload.get("version")
+        if isinstance(version, str) and version.strip():
+            return version.strip()[:64]
+    return None
 
 
 async def fetch_models(
     client: httpx.AsyncClient, base_url: str, *, timeout_s: float, headers: Mapping[str, str]
 ) -> BackendInfo:
+    """Read /v1/models and /version; only the models are required."""
     try:
         response = await client.get(
             f"{base_url}/v1/models", timeout=httpx.Timeout(timeout_s), headers=dict(headers)
         )
         response.raise_for_status()
-        return parse_models(response.json())
+        payload = response.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise DiscoveryError(f"cannot list the backend's models: {exc!r}") from exc
+    return parse_models(payload, await fetch_version(client, base_url, timeout_s=timeout_s, headers=headers))
+
+
+async def fetch_version(
+    client: httpx.AsyncClient, base_url: str, *, timeout_s: float, headers: Mapping[str, str]
+) -> str | None:
+    """The backend's `/version`, or None when it has none (not vLLM, or an error): the
+    validation rules then default to the current vLLM's."""
+    try:
+        response = await client.get(
+            f"{base_url}/version", timeout=httpx.Timeout(timeout_s), headers=dict(headers)
+        )
+        if response.status_code != 200:
+            return None
+        return parse_version(response.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("no version from the backend's /version: %r", exc)
+        return None
 
 
 def tokenizer_candidates(tokenizer: str | None, model: str | None, info: BackendInfo | None) -> list[str]:
@@ -95,9 +135,12 @@ def tokenizer_candidates(tokenizer: str | None, model: str | None, info: Backend
     if info is not None:
         served = info.find(model) if model else None
         served = served or info.default
-        for value in (served.root, served.id):
-            if value:
-                candidates.append(value)
+        # vLLM 0.32 tokenizes an adapter's requests with its base's tokenizer (it has no
+        # per-adapter tokenizer), so the base's folder comes before the adapter's.
+        base = info.find(served.parent) if served.parent else None
+        for entry in (base, served):
+            if entry is not None:
+                candidates.extend(value for value in (entry.root, entry.id) if value)
     return list(dict.fromkeys(candidates))
 
 

@@ -41,10 +41,23 @@ class _Generation(BaseModel):
         None, description="A model the backend serves (404 otherwise); default: its first"
     )
     max_tokens: int | None = Field(
-        None, ge=1, description="Output cap per sequence; prompt + cap <= max_model_len"
+        None,
+        ge=1,
+        description=(
+            "Output cap per sequence, at most max_model_len; a sequence also stops at the context "
+            "(vLLM >= 0.32; earlier ones refuse prompt + cap > max_model_len). Completions: 16 if absent"
+        ),
     )
-    n: int | None = Field(None, ge=1, description="Sequences per prompt; each holds its own KV blocks")
-    best_of: int | None = Field(None, ge=1, description="Sequences generated per prompt when larger than n")
+    min_tokens: int | None = Field(
+        None, ge=0, description="Output floor per sequence (<= the cap): reserved whatever kvgate has learned"
+    )
+    ignore_eos: bool | None = Field(None, description="Run every sequence to its cap: the cap is reserved")
+    n: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per prompt; they share full prompt blocks only with prefix caching and no prompt logprobs",
+    )
+    best_of: int | None = Field(None, ge=1, description="Counted only for vLLM < 0.32 (0.32 ignores it)")
     stream: bool | None = Field(None, description="Answer as server-sent events")
 
 

@@ -40,6 +40,7 @@ class PredictionSource(StrEnum):
     LEARNED = "learned"
     BACKEND = "backend"  # too few samples here: the backend's histogram
     COLD = "cold"  # too few samples anywhere: the cap
+    FLOOR = "floor"  # the request's own guaranteed length (min_tokens, ignore_eos), above the rest
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,14 @@ from typing import Any
 import httpx
 from starlette.types import Receive
 
-from estimator.demand import BlockCost, Demand, demand_of, output_cap
+from estimator.demand import (
+    BlockCost,
+    ContextLengthError,
+    Demand,
+    ServingRules,
+    demand_of,
+    output_limits,
+)
 from estimator.tokens import PromptCount, RequestBodyError, Route, TokenCounter
 from gateway.admission import (
     AdmissionPolicy,
@@ -65,7 +72,7 @@ from gateway.ledger import ClosedEntry, InMemoryLedger, Ledger
 from gateway.logs import REQUEST_LOGGER, log_request
 from gateway.metrics import GatewayMetrics, GaugeReadings
 from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome, outcome_of_refusal
-from gateway.output_model import OutputKey, OutputLengthModel, OutputPrediction
+from gateway.output_model import OutputKey, OutputLengthModel, OutputPrediction, PredictionSource
 from gateway.pace import BackendPace
 from gateway.proxy import RelayResponse, RelayResult, RelayTimeouts, upstream_headers
 from gateway.rates import WaitCalibration
@@ -541,22 +548,31 @@ class BackendGateway:
             raise UnavailableError(
                 "the backend's KV-cache budget is not known yet", retry_after_s=self.settings.retry_after_s
             )
-        max_model_len = served.max_model_len or 1 << 30
+        rules = ServingRules.for_version(
+            info.version,
+            served.max_model_len or 1 << 30,
+            prefix_caching=reading.prefix_caching is True,
+        )
         try:
-            cap = output_cap(route, body, prompt.longest, max_model_len)
+            limits = output_limits(route, body, prompt, rules)
             key = OutputKey(served.id, route.value)
-            prediction = self.output_model.predict(key, cap)
+            prediction = self.output_model.predict(key, limits.cap)
+            if limits.floor > prediction.tokens:
+                # The request itself guarantees more (min_tokens, ignore_eos): that is what
+                # it reserves, deterministically (no learned outlook to pool it by).
+                prediction = OutputPrediction(limits.floor, PredictionSource.FLOOR, prediction.samples, None)
             demand = demand_of(
                 route,
                 body,
                 prompt,
                 cost=BlockCost(reading.block_size),
-                max_model_len=max_model_len,
+                rules=rules,
                 expected_output_tokens=prediction.tokens,
+                limits=limits,
             )
+        except ContextLengthError as exc:
+            raise ContextTooLongError(exc.message, param=exc.param) from exc
         except RequestBodyError as exc:
-            if "context" in exc.message:
-                raise ContextTooLongError(exc.message, param=exc.param) from exc
             raise InvalidRequestError(exc.message, param=exc.param) from exc
 
         timeout_s = self.settings.queue_timeout_s()[hints.priority]

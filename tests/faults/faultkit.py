@@ -384,13 +384,13 @@ class Seen:
 @dataclass
 class RecordingBackend:
     """An ASGI stand-in for vLLM that records every request it gets and answers at once:
-    /v1/models and /metrics as vLLM would, generation requests with a small completion whose
-    response carries hop-by-hop headers of its own."""
+    /v1/models, /version and /metrics as vLLM would, generation requests with a small
+    completion whose response carries hop-by-hop headers of its own."""
 
     seen: list[Seen] = field(default_factory=list)
 
     def generation(self) -> list[Seen]:
-        return [s for s in self.seen if s.raw_path not in (b"/metrics", b"/v1/models")]
+        return [s for s in self.seen if s.raw_path not in (b"/metrics", b"/v1/models", b"/version")]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -415,6 +415,8 @@ class RecordingBackend:
             await _answer(send, 200, json.dumps(payload).encode(), b"application/json", [])
         elif scope["path"] == "/metrics":
             await _answer(send, 200, RECORDER_METRICS.encode(), b"text/plain", [])
+        elif scope["path"] == "/version":
+            await _answer(send, 200, b'{"version": "0.32.0"}', b"application/json", [])
         else:
             answer = b'{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"completion_tokens":1}}'
             hop = [

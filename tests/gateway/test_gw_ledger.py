@@ -30,6 +30,7 @@ def demand(prompt: int = 20, expected: int = 30, cap: int = 100, samples: int = 
         expected_output_tokens=expected,
         samples_per_prompt=samples,
         cost=COST,
+        shares_prefix=True,
     )
 
 
@@ -65,13 +66,14 @@ def test_growth_moves_held_and_outgrows_reservation(streamed: int, held: int, re
 def test_parallel_samples_grow_by_their_longest_sequence() -> None:
     ledger = InMemoryLedger()
     entry = ledger.open(1, demand(prompt=32, expected=0, cap=64, samples=2), now=0.0)
-    # 2 shared full prompt blocks, nothing per sequence yet.
-    assert entry.held_blocks == 2
+    # 32 prompt tokens: the first block shared (vLLM looks up prompt - 1 tokens in its prefix
+    # cache), the second held by each sequence.
+    assert entry.held_blocks == 1 + 2 * 1
     ledger.grow(1, 0, 1)
     ledger.grow(1, 1, 20)
     assert entry.output_tokens == [1, 20]
-    # Both sequences counted at 20 tokens (conservative): 2 shared + 2 x 2 blocks.
-    assert entry.held_blocks == 2 + 2 * 2
+    # Both sequences counted at 20 tokens (conservative): 1 shared + 2 x 3 blocks.
+    assert entry.held_blocks == 1 + 2 * 3
     ledger.grow(1, 5, 1)  # a choice index the demand did not predict: folded into the last
     assert entry.output_tokens == [1, 21]
 

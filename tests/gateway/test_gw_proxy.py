@@ -50,6 +50,9 @@ class Backend:
         if scope["path"] == "/metrics":
             await self._answer(send, 200, METRICS.encode(), b"text/plain")
             return
+        if scope["path"] == "/version":
+            await self._answer(send, 200, b'{"version": "0.32.0"}', b"application/json")
+            return
         while (await receive()).get("more_body"):
             pass
         self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
