@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from estimator import kv
+from estimator.modelconfig import ModelNotFoundError, load_config
 from estimator.tokens import TokenCounter
 
 log = logging.getLogger(__name__)
@@ -166,3 +168,15 @@ def load_token_counter(candidates: Sequence[str], *, max_model_len: int | None) 
         ", ".join(candidates) or "nothing",
     )
     return TokenCounter.approximate(max_model_len=max_model_len), "approximate"
+
+
+def load_model_shape(candidates: Sequence[str]) -> tuple[kv.ModelShape | None, str | None]:
+    """The served model's shape from the first candidate with a usable `config.json`, and
+    where it came from; (None, None) when none has one (requests then count plain paged
+    attention blocks). Blocking file I/O: run it in a thread."""
+    for candidate in candidates:
+        try:
+            return kv.model_shape(load_config(candidate)), candidate
+        except (ModelNotFoundError, kv.ConfigError, OSError, ValueError) as exc:
+            log.info("no usable model config at %r: %s", candidate, exc)
+    return None, None

@@ -38,6 +38,7 @@ from estimator.demand import (
     demand_of,
     output_limits,
 )
+from estimator.kv import ConfigError, ModelShape, kv_cache_layout
 from estimator.tokens import PromptCount, RequestBodyError, Route, TokenCounter
 from gateway.admission import (
     AdmissionPolicy,
@@ -53,6 +54,7 @@ from gateway.backend import (
     BackendInfo,
     DiscoveryError,
     fetch_models,
+    load_model_shape,
     load_token_counter,
     tokenizer_candidates,
 )
@@ -256,6 +258,10 @@ class BackendGateway:
             calibration=WaitCalibration() if settings.wait_calibration else None,
         )
         self.info: BackendInfo | None = None
+        # The served model's config, read once at discovery (None: not found or not usable).
+        self.model_shape: ModelShape | None = None
+        self._shape_loaded = False
+        self._block_costs: dict[int, BlockCost] = {}
         self._backend_headers: dict[str, str] = {}
         self._authorization: bytes | None = None
         if settings.backend_api_key is not None:
@@ -353,7 +359,33 @@ class BackendGateway:
             if self.counter is None:
                 self.counter, self.counter_source = counter, source
                 log.info("backend %s: tokenizer from %s", self.name, source)
+        if not self._shape_loaded:
+            candidates = tokenizer_candidates(self.settings.tokenizer, self.settings.model, info)
+            shape, config_source = await asyncio.get_running_loop().run_in_executor(
+                self._executor, load_model_shape, candidates
+            )
+            self.model_shape, self._shape_loaded = shape, True
+            log.info(
+                "backend %s: KV groups from %s",
+                self.name,
+                config_source or "no config (plain paged attention)",
+            )
         return info
+
+    def _block_cost(self, block_size: int) -> BlockCost:
+        """What a sequence holds in blocks of the backend's size: through the model's KV groups
+        when its config is known (a hybrid model's request holds blocks in every group), else
+        plain paged attention."""
+        cost = self._block_costs.get(block_size)
+        if cost is None:
+            layout = None
+            if self.model_shape is not None:
+                try:
+                    layout = kv_cache_layout(self.model_shape, block_size=block_size)
+                except (ConfigError, ValueError) as exc:
+                    log.warning("backend %s: KV groups unusable, counting plain blocks: %s", self.name, exc)
+            cost = self._block_costs[block_size] = BlockCost(block_size, layout)
+        return cost
 
     async def _discover_forever(self) -> None:
         while True:
@@ -565,7 +597,7 @@ class BackendGateway:
                 route,
                 body,
                 prompt,
-                cost=BlockCost(reading.block_size),
+                cost=self._block_cost(reading.block_size),
                 rules=rules,
                 expected_output_tokens=prediction.tokens,
                 limits=limits,

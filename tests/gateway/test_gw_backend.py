@@ -15,9 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAST_ENGINE, TEST_SETTINGS, InProcess, ledger_is_empty, wait_until
+from conftest import FAST_ENGINE, TEST_SETTINGS, InProcess, gateway_over_sim, ledger_is_empty, wait_until
 from starlette.types import Receive, Scope, Send
 
+from estimator.kv import blocks_for_tokens, kv_cache_layout, model_shape, request_blocks
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
 from gateway.backend import BackendInfo, ServedModel, parse_models, parse_version, tokenizer_candidates
@@ -147,3 +148,49 @@ async def test_the_context_rule_follows_the_backends_version(version: str | None
         else:
             assert answer.headers.get("x-kvgate-blocks") is not None, answer.text
         assert ledger_is_empty(harness.gateway)
+
+
+# A small Gemma-2-shaped model: one sliding-window layer beside one full-attention layer. vLLM
+# gives each kind its own KV group, and a request holds blocks in both.
+HYBRID_CONFIG = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "sliding_window": 64,
+    "max_position_embeddings": 1024,
+    "vocab_size": 32000,
+    "torch_dtype": "bfloat16",
+}
+
+
+async def test_a_hybrid_models_requests_reserve_blocks_in_every_kv_group(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(HYBRID_CONFIG))
+    prompt = list(range(1, 601))
+    async with gateway_over_sim(model=str(tmp_path), output_backend_prior=False) as harness:
+        gateway = harness.gateway
+        assert gateway.model_shape is not None
+        response = await harness.client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 20, "ignore_eos": True}
+        )
+        assert response.status_code == 200, response.text
+        block_size = gateway.budget.reading.block_size if gateway.budget.reading else 0
+        layout = kv_cache_layout(model_shape(HYBRID_CONFIG), block_size=block_size)
+        expected = request_blocks(layout, len(prompt) + 20)
+        assert expected > blocks_for_tokens(len(prompt) + 20, block_size)  # the groups matter
+        assert int(response.headers["x-kvgate-blocks"]) == expected
+        await wait_until(lambda: ledger_is_empty(gateway), what="the ledger to empty")
+
+
+async def test_without_a_model_config_blocks_are_plain_paged_attention(tmp_path: Path) -> None:
+    async with gateway_over_sim(model=str(tmp_path), output_backend_prior=False) as harness:
+        assert harness.gateway.model_shape is None
+        response = await harness.client.post(
+            "/v1/completions", json={"prompt": list(range(1, 601)), "max_tokens": 20, "ignore_eos": True}
+        )
+        assert response.status_code == 200, response.text
+        assert int(response.headers["x-kvgate-blocks"]) == -(-620 // 32)
