@@ -1,0 +1,47 @@
+"""Request bodies: how the bench forces output lengths (bench.payload, pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.payload import OUTPUT_TOKENS_FIELD, Forcing, PayloadOptions, build_body, plan_requests
+from bench.workload import RequestSpec
+
+SPEC = RequestSpec(0.0, 12, 40)
+
+
+def test_the_default_forces_the_length_by_the_private_field_only() -> None:
+    body = build_body(SPEC, "some prompt", PayloadOptions(model="m", max_tokens_cap=512))
+    assert body["vllm_xargs"] == {OUTPUT_TOKENS_FIELD: 40}
+    # Nothing a gateway reads tells it the answer: max_tokens stays at the cap, no floor, no bias.
+    assert body["max_tokens"] == 512
+    assert "min_tokens" not in body
+    assert "logit_bias" not in body
+    assert "ignore_eos" not in body
+
+
+def test_the_min_tokens_path_stays_for_a_vllm_without_the_processor() -> None:
+    options = PayloadOptions(model="m", forcing=Forcing.MIN_TOKENS, eos_token_id=2, max_tokens_cap=512)
+    body = build_body(SPEC, "some prompt", options)
+    assert body["min_tokens"] == 39
+    assert body["logit_bias"] == {"2": 100.0}
+    assert "vllm_xargs" not in body
+
+
+def test_no_forcing_sends_neither() -> None:
+    body = build_body(SPEC, "p", PayloadOptions(model="m", forcing=Forcing.NONE))
+    assert not {"vllm_xargs", "min_tokens", "logit_bias"} & set(body)
+
+
+def test_min_tokens_forcing_needs_the_eos_id() -> None:
+    with pytest.raises(ValueError, match="EOS"):
+        PayloadOptions(model="m", forcing=Forcing.MIN_TOKENS)
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_planned_bodies_carry_each_requests_own_length(api: str) -> None:
+    specs = [RequestSpec(0.0, 5, n) for n in (1, 7, 300)]
+    plan = plan_requests(specs, ["a b c"] * 3, PayloadOptions(model="m", api=api))
+    assert [json.loads(p.body)["vllm_xargs"][OUTPUT_TOKENS_FIELD] for p in plan] == [1, 7, 300]
