@@ -197,7 +197,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     from bench import counting
     from bench import workload as wl
-    from bench.payload import Forcing, PayloadOptions, parse_header_option, plan_requests
+    from bench.payload import (
+        OUTPUT_TOKENS_FIELD,
+        Forcing,
+        PayloadOptions,
+        parse_header_option,
+        plan_requests,
+    )
     from bench.prompts import PromptFactory
 
     console = Console(stderr=True)
@@ -244,6 +250,20 @@ def _bench(args: argparse.Namespace) -> int:
             if eos is None:
                 raise RuntimeError("EOS token id unknown: pass --eos-id or another --force-output")
 
+        unforced: list[str] = []
+        if forcing is Forcing.XARGS:
+            unforced = [
+                t
+                for t in targets
+                if not counting.honours_forced_length(client, t, model, OUTPUT_TOKENS_FIELD)
+            ]
+            for target in unforced:
+                log(
+                    f"[yellow]{target} does not read vllm_xargs.{OUTPUT_TOKENS_FIELD}: its output lengths "
+                    "are not forced (start vLLM with tests/testbed/testbed.py, which loads the logits "
+                    "processor, or pass --force-output min-tokens)"
+                )
+
         work, clamp = wl.clamp_to_context(work, max_model_len, args.max_tokens)
         factory = PromptFactory.calibrate(count, seed=args.seed, block_tokens=work.block_tokens)
         with console.status(f"synthesising {len(work)} prompts"):
@@ -288,6 +308,7 @@ def _bench(args: argparse.Namespace) -> int:
         "output_forcing": forcing.value,
         "eos_token_id": eos,
         "forced_output_lengths": forcing is not Forcing.NONE,
+        "targets_ignoring_the_length_field": unforced,
         "headers": [f"{k}: {v}" for k, v in headers],
     }
     results = _run_all(targets, plan, args, console)

@@ -110,7 +110,12 @@ class InstantBackend:
         first = float(headers.get("x-fake-first-token-ms", self.first_token_s * 1000))
         tokens = int(body.get("max_tokens") or 16)
         forced = (body.get("vllm_xargs") or {}).get(OUTPUT_TOKENS_FIELD)
-        if isinstance(forced, int) and forced >= 1:
+        if forced is not None and (isinstance(forced, bool) or not isinstance(forced, int) or forced < 1):
+            # As the testbed's logits processor refuses it (the bench's probe relies on this).
+            message = f"vllm_xargs.{OUTPUT_TOKENS_FIELD} must be an integer >= 1, got {forced!r}"
+            await _json(send, 400, {"error": {"message": message}}, [])
+            return
+        if forced is not None:
             tokens = min(tokens, forced)
         elif body.get("logit_bias") and "min_tokens" in body:
             tokens = min(tokens, int(body["min_tokens"]) + 1)

@@ -1,13 +1,21 @@
-"""Request bodies: how the bench forces output lengths (bench.payload, pure)."""
+"""How the bench forces output lengths: request bodies (bench.payload, pure) and the probe that
+tells whether a target reads the private field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
 
+from bench.counting import honours_forced_length
+from bench.instant import DEFAULT_MODEL, InstantBackend, serving
 from bench.payload import OUTPUT_TOKENS_FIELD, Forcing, PayloadOptions, build_body, plan_requests
 from bench.workload import RequestSpec
+from sim.config import SimConfig
+from sim.engine import EngineConfig, StepCost
+from sim.testing import running_sim_server
 
 SPEC = RequestSpec(0.0, 12, 40)
 
@@ -45,3 +53,37 @@ def test_planned_bodies_carry_each_requests_own_length(api: str) -> None:
     specs = [RequestSpec(0.0, 5, n) for n in (1, 7, 300)]
     plan = plan_requests(specs, ["a b c"] * 3, PayloadOptions(model="m", api=api))
     assert [json.loads(p.body)["vllm_xargs"][OUTPUT_TOKENS_FIELD] for p in plan] == [1, 7, 300]
+
+
+# -- does a target read the field? (bench.counting.honours_forced_length) ----------------------
+
+
+def test_the_emulator_and_the_instant_fake_read_the_field() -> None:
+    config = SimConfig(engine=EngineConfig(step_cost=StepCost(base_s=0.001, per_token_s=0.0, per_seq_s=0.0)))
+    with running_sim_server(config) as sim, httpx.Client(timeout=10) as client:
+        assert honours_forced_length(client, sim.url, "tiny-llama", OUTPUT_TOKENS_FIELD)
+
+    async def probe() -> bool:
+        async with serving(InstantBackend()) as url:
+            with httpx.Client(timeout=10) as client:
+                return await asyncio.to_thread(
+                    honours_forced_length, client, url, DEFAULT_MODEL, OUTPUT_TOKENS_FIELD
+                )
+
+    assert asyncio.run(probe())
+
+
+@pytest.mark.parametrize(
+    ("status", "text"),
+    [
+        (200, '{"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}'),  # field ignored
+        (400, '{"error": {"message": "max_tokens must be at least 1"}}'),  # refused for another reason
+        (503, '{"error": {"message": "busy"}}'),
+    ],
+)
+def test_a_target_that_ignores_the_field_is_found_out(status: int, text: str) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, text=text)
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        assert not honours_forced_length(client, "http://vllm", "m", OUTPUT_TOKENS_FIELD)
