@@ -21,13 +21,11 @@ import pytest
 
 from bench import counting
 from bench.payload import OUTPUT_TOKENS_FIELD
-from sim.lengths import OUTPUT_TOKENS_FIELD as SIM_FIELD
 
 pytestmark = pytest.mark.vllm
 
 MODEL = "tiny-llama"
 TIMEOUT_S = 180.0
-TESTBED = Path(__file__).resolve().parents[1] / "testbed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +90,6 @@ def eos(tiny_model_dir: Path) -> int:
     value = counting.eos_token_id(tiny_model_dir)
     assert value is not None
     return value
-
-
-def test_the_bench_the_emulator_and_the_processor_name_one_field() -> None:
-    source = (TESTBED / "bench_lengths.py").read_text()
-    assert f'FIELD = "{OUTPUT_TOKENS_FIELD}"' in source
-    assert SIM_FIELD == OUTPUT_TOKENS_FIELD
-    assert "bench_lengths:ForcedOutputLength" in (TESTBED / "testbed.py").read_text()
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

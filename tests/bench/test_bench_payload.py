@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,9 +16,19 @@ from bench.payload import OUTPUT_TOKENS_FIELD, Forcing, PayloadOptions, build_bo
 from bench.workload import RequestSpec
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
+from sim.lengths import OUTPUT_TOKENS_FIELD as SIM_FIELD
 from sim.testing import running_sim_server
 
 SPEC = RequestSpec(0.0, 12, 40)
+TESTBED = Path(__file__).resolve().parents[1] / "testbed"
+
+
+def test_the_bench_the_emulator_and_the_processor_name_one_field() -> None:
+    # The processor runs in vLLM's environment and cannot import kvgate's packages.
+    source = (TESTBED / "bench_lengths.py").read_text()
+    assert f'FIELD = "{OUTPUT_TOKENS_FIELD}"' in source
+    assert SIM_FIELD == OUTPUT_TOKENS_FIELD
+    assert "bench_lengths:ForcedOutputLength" in (TESTBED / "testbed.py").read_text()
 
 
 def test_the_default_forces_the_length_by_the_private_field_only() -> None:
