@@ -104,11 +104,20 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--max-model-len", type=int, help="context length when the target's /v1/models does not say"
     )
-    parser.add_argument("--eos-id", type=int, help="EOS token id (default: from the model folder)")
     parser.add_argument(
-        "--no-force-output",
-        action="store_true",
-        help="do not force output lengths (no min_tokens / EOS logit_bias)",
+        "--force-output",
+        choices=("xargs", "min-tokens", "none"),
+        default="xargs",
+        help="how output lengths are forced: xargs (default) sends the length in the private "
+        "vllm_xargs field that the testbed's logits processor and the emulator read, unseen by "
+        "kvgate; min-tokens sends min_tokens + an EOS logit_bias, for a vLLM without that "
+        "processor (it tells kvgate the answer); none lets the model decide",
+    )
+    parser.add_argument("--no-force-output", action="store_true", help="same as --force-output none")
+    parser.add_argument(
+        "--eos-id",
+        type=int,
+        help="EOS token id for --force-output min-tokens (default: from the model folder)",
     )
     parser.add_argument(
         "--no-token-ids", action="store_true", help="do not ask for return_token_ids (for non-vLLM servers)"
@@ -188,7 +197,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     from bench import counting
     from bench import workload as wl
-    from bench.payload import PayloadOptions, parse_header_option, plan_requests
+    from bench.payload import (
+        OUTPUT_TOKENS_FIELD,
+        Forcing,
+        PayloadOptions,
+        parse_header_option,
+        plan_requests,
+    )
     from bench.prompts import PromptFactory
 
     console = Console(stderr=True)
@@ -226,13 +241,28 @@ def _bench(args: argparse.Namespace) -> int:
             client=client,
             log=log,
         )
+        forcing = Forcing.NONE if args.no_force_output else Forcing(args.force_output)
         eos: int | None = None
-        if not args.no_force_output:
+        if forcing is Forcing.MIN_TOKENS:
             eos = args.eos_id
             if eos is None and tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
                 eos = counting.eos_token_id(tokenizer_dir)
             if eos is None:
-                raise RuntimeError("EOS token id unknown: pass --eos-id or --no-force-output")
+                raise RuntimeError("EOS token id unknown: pass --eos-id or another --force-output")
+
+        unforced: list[str] = []
+        if forcing is Forcing.XARGS:
+            unforced = [
+                t
+                for t in targets
+                if not counting.honours_forced_length(client, t, model, OUTPUT_TOKENS_FIELD)
+            ]
+            for target in unforced:
+                log(
+                    f"[yellow]{target} does not read vllm_xargs.{OUTPUT_TOKENS_FIELD}: its output lengths "
+                    "are not forced (start vLLM with tests/testbed/testbed.py, which loads the logits "
+                    "processor, or pass --force-output min-tokens)"
+                )
 
         work, clamp = wl.clamp_to_context(work, max_model_len, args.max_tokens)
         factory = PromptFactory.calibrate(count, seed=args.seed, block_tokens=work.block_tokens)
@@ -244,6 +274,7 @@ def _bench(args: argparse.Namespace) -> int:
         api=args.api,
         max_tokens_cap=args.max_tokens,
         max_model_len=max_model_len,
+        forcing=forcing,
         eos_token_id=eos,
         token_ids=not args.no_token_ids,
         deadline_s=args.deadline,
@@ -274,8 +305,10 @@ def _bench(args: argparse.Namespace) -> int:
         "deadline_s": args.deadline,
         "ttft_slo_s": args.ttft_slo,
         "seed": args.seed,
+        "output_forcing": forcing.value,
         "eos_token_id": eos,
-        "forced_output_lengths": eos is not None,
+        "forced_output_lengths": forcing is not Forcing.NONE,
+        "targets_ignoring_the_length_field": unforced,
         "headers": [f"{k}: {v}" for k, v in headers],
     }
     results = _run_all(targets, plan, args, console)

@@ -96,6 +96,22 @@ def fetch_model_info(client: httpx.Client, base_url: str, model: str | None) -> 
     )
 
 
+def honours_forced_length(client: httpx.Client, base_url: str, model: str, field: str) -> bool:
+    """Whether the target reads the bench's private length field `vllm_xargs.<field>`.
+
+    It sends the field with the invalid length 0 and no generation can follow: the testbed's
+    logits processor, the emulator and the instant fake refuse it with a 400 naming the field,
+    and so does a gateway in front of them (it relays the answer). A vLLM without the processor
+    ignores unknown keys and answers 200 after one token; then the field would force nothing.
+    """
+    body = {"model": model, "prompt": "x", "max_tokens": 1, "vllm_xargs": {field: 0}}
+    try:
+        response = client.post(f"{base_url}/v1/completions", json=body)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 400 and field in response.text
+
+
 def eos_token_id(model_dir: str | Path) -> int | None:
     """The EOS token id from a model folder (generation_config.json, then config.json)."""
     folder = Path(model_dir)

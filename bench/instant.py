@@ -2,8 +2,9 @@
 
 It answers `/v1/completions` and `/v1/chat/completions` with server-sent events shaped like
 vLLM's (one chunk per token, `token_ids` when asked, a usage chunk, `[DONE]`), writing as many
-tokens as the request forces (`min_tokens` + 1 when an EOS `logit_bias` is given, else
-`max_tokens`) at a fixed pace, and no model at all. It also serves `/v1/models`, `/tokenize`
+tokens as the request forces (the bench's `vllm_xargs.kvgate_bench_output_tokens`, or
+`min_tokens` + 1 when an EOS `logit_bias` is given, at most `max_tokens`; else `max_tokens`) at
+a fixed pace, and no model at all. It also serves `/v1/models`, `/tokenize`
 (one token per whitespace-separated word, no BOS) and a `/metrics` page with vLLM's names for
 running requests, KV usage, preemptions and generated tokens.
 
@@ -27,6 +28,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench.payload import OUTPUT_TOKENS_FIELD
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -106,7 +109,15 @@ class InstantBackend:
         interval = float(headers.get("x-fake-token-interval-ms", self.token_interval_s * 1000))
         first = float(headers.get("x-fake-first-token-ms", self.first_token_s * 1000))
         tokens = int(body.get("max_tokens") or 16)
-        if body.get("logit_bias") and "min_tokens" in body:
+        forced = (body.get("vllm_xargs") or {}).get(OUTPUT_TOKENS_FIELD)
+        if forced is not None and (isinstance(forced, bool) or not isinstance(forced, int) or forced < 1):
+            # As the testbed's logits processor refuses it (the bench's probe relies on this).
+            message = f"vllm_xargs.{OUTPUT_TOKENS_FIELD} must be an integer >= 1, got {forced!r}"
+            await _json(send, 400, {"error": {"message": message}}, [])
+            return
+        if forced is not None:
+            tokens = min(tokens, forced)
+        elif body.get("logit_bias") and "min_tokens" in body:
             tokens = min(tokens, int(body["min_tokens"]) + 1)
         with_ids = bool(body.get("return_token_ids"))
         await send(

@@ -2,10 +2,18 @@
 
 Output lengths are forced the way a real client's traffic looks to the server: `max_tokens`
 stays at a large cap (clients set it far above what the model writes), and the trace's true
-length L is produced with vLLM's `min_tokens` = L - 1 plus a large positive `logit_bias` on the
-EOS token. vLLM suppresses EOS until `min_tokens` tokens exist; the bias then makes EOS the
-very next token, and vLLM counts that EOS as the L-th completion token (checked on the real
-testbed). Without the bias the tiny random-weight model would never stop before the cap.
+length L reaches the backend by a path a gateway has no reason to read: the private field
+`vllm_xargs.kvgate_bench_output_tokens` = L. vLLM's OpenAI server passes `vllm_xargs` to the
+engine as `SamplingParams.extra_args`; the testbed's engines load a logits processor
+(tests/testbed/bench_lengths.py) that masks EOS until then and makes it the L-th completion
+token, and the emulator (sim/) honours the same field. Without forcing the tiny random-weight
+model would never stop before the cap.
+
+The older path, `min_tokens` = L - 1 plus a large positive `logit_bias` on EOS, stays as an
+explicit choice (`Forcing.MIN_TOKENS`) for a vLLM that does not load the processor (one the
+bench cannot restart): vLLM ignores unknown `vllm_xargs` keys, so there the field would not
+force anything. It tells kvgate the answer, since kvgate reserves at least `min_tokens`, so
+figures measured with it flatter kvgate's output prediction.
 """
 
 from __future__ import annotations
@@ -13,12 +21,25 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from bench.workload import RequestSpec
 
 # OpenAI's documented maximum for a logit bias; vLLM adds it to the logit as is.
 EOS_LOGIT_BIAS = 100.0
+# The private `vllm_xargs` key that carries the forced output length (completion tokens, EOS
+# included). tests/testbed/bench_lengths.py and sim/lengths.py name the same key.
+OUTPUT_TOKENS_FIELD = "kvgate_bench_output_tokens"
+
+
+class Forcing(StrEnum):
+    """How a request's output length is forced (see the module docstring)."""
+
+    XARGS = "xargs"
+    MIN_TOKENS = "min-tokens"
+    NONE = "none"
+
 
 TENANT_HEADER = "X-Kvgate-Tenant"
 PRIORITY_HEADER = "X-Kvgate-Priority"
@@ -30,8 +51,9 @@ TTFT_HEADER = "X-Kvgate-TTFT-Ms"
 class PayloadOptions:
     """How every request of a run is shaped.
 
-    `eos_token_id` None sends no length forcing (the model decides; outputs end at the cap
-    with random weights). `token_ids` asks vLLM to return the generated token ids in every
+    `forcing` chooses how output lengths are forced; `Forcing.MIN_TOKENS` needs
+    `eos_token_id`, the others ignore it. `Forcing.NONE` lets the model decide (outputs end at
+    the cap with random weights). `token_ids` asks vLLM to return the generated token ids in every
     chunk (`return_token_ids`), which makes the client's own token count exact even for a
     stream cut short. `deadline_s` / `ttft_slo_s` become the X-Kvgate deadline headers.
     """
@@ -40,11 +62,16 @@ class PayloadOptions:
     api: str = "completions"
     max_tokens_cap: int = 4096
     max_model_len: int | None = None
+    forcing: Forcing = Forcing.XARGS
     eos_token_id: int | None = None
     token_ids: bool = True
     deadline_s: float | None = None
     ttft_slo_s: float | None = None
     headers: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.forcing is Forcing.MIN_TOKENS and self.eos_token_id is None:
+            raise ValueError("forcing output lengths by min_tokens needs the EOS token id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +101,9 @@ def build_body(spec: RequestSpec, prompt: str, options: PayloadOptions) -> dict[
     else:
         body["prompt"] = prompt
     body["max_tokens"] = max_tokens_for(spec, options)
-    if options.eos_token_id is not None:
+    if options.forcing is Forcing.XARGS:
+        body["vllm_xargs"] = {OUTPUT_TOKENS_FIELD: max(1, spec.output_tokens)}
+    elif options.forcing is Forcing.MIN_TOKENS:
         body["min_tokens"] = max(0, spec.output_tokens - 1)
         body["logit_bias"] = {str(options.eos_token_id): EOS_LOGIT_BIAS}
     body["stream"] = True

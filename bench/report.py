@@ -403,10 +403,19 @@ def comparison_markdown(summaries: Sequence[Summary]) -> str:
 FORCING_NOTE = (
     "Output lengths are forced to the trace's values the way real traffic looks to the server: "
     "`max_tokens` stays at the cap (`--max-tokens`, lowered only where the context leaves less "
-    "room), and each request carries `min_tokens` = L - 1 plus a `logit_bias` of +100 on the EOS "
-    "token, so that EOS is suppressed until L - 1 tokens exist and then comes next, as the L-th "
-    "completion token."
+    "room), and each request carries its length L in the private field "
+    "`vllm_xargs.kvgate_bench_output_tokens`, which no gateway reads: the testbed's logits "
+    "processor (tests/testbed/bench_lengths.py) and the emulator hold EOS back until then and make "
+    "it the L-th completion token."
 )
+MIN_TOKENS_FORCING_NOTE = (
+    "Output lengths are forced with `min_tokens` = L - 1 plus a `logit_bias` of +100 on the EOS "
+    "token (`--force-output min-tokens`), with `max_tokens` at the cap. A gateway that reserves "
+    "at least `min_tokens` is told each answer's length: its figures here flatter its output "
+    "prediction."
+)
+NO_FORCING_NOTE = "Output lengths are not forced (`--force-output none`): the model decides."
+_FORCING_NOTES = {"xargs": FORCING_NOTE, "min-tokens": MIN_TOKENS_FORCING_NOTE, "none": NO_FORCING_NOTE}
 
 
 def render_markdown(
@@ -425,7 +434,7 @@ def render_markdown(
     out += [f"- {k}: {_fmt_any(v)}" for k, v in workload.items()]
     out += ["", "## Settings", ""]
     out += [f"- {k}: {_fmt_any(v)}" for k, v in settings.items()]
-    out += ["", FORCING_NOTE, ""]
+    out += ["", _FORCING_NOTES.get(str(settings.get("output_forcing", "xargs")), FORCING_NOTE), ""]
     out += [f"- {n}" for n in notes]
     out += ["", "## Results", "", comparison_markdown(summaries), ""]
     out += [

@@ -64,8 +64,8 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     work = generate_synthetic(spec, seed=0)
     prompt = " ".join(["word"] * PROMPT_WORDS)
-    # The EOS id only tells the server the forced length; any id will do for a fake.
-    options = PayloadOptions(model=args.model, eos_token_id=2, max_tokens_cap=tokens + 1)
+    # The forced length (the private vllm_xargs field) is what the fake writes.
+    options = PayloadOptions(model=args.model, max_tokens_cap=tokens + 1)
     plan = plan_requests(work.requests, [prompt] * len(work), options)
     run_options = RunOptions(metrics_urls=(f"{url}/metrics",), sample_period_s=0.5, idle_timeout_s=30.0)
     cpu_before = time.process_time()

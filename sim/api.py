@@ -21,6 +21,7 @@ from http import HTTPStatus
 from typing import Any
 
 from estimator.tokens import PromptCount, RequestBodyError, Route, TokenCounter
+from sim.lengths import OUTPUT_TOKENS_FIELD
 
 # OpenAI's default for /v1/completions, which vLLM keeps.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -76,6 +77,8 @@ class GenerationRequest:
     min_tokens: int
     ignore_eos: bool
     eos_bias: float | None
+    # The bench's private `vllm_xargs` length (see sim.lengths), None without it.
+    forced_length: int | None
     stream: bool
     include_usage: bool
 
@@ -182,6 +185,7 @@ def parse_generation_request(
         )
     ignore_eos = _bool_param(body, "ignore_eos", False)
     eos_bias = _eos_bias(body, eos_token_id)
+    forced_length = _forced_length(body)
 
     default_cap = COMPLETIONS_DEFAULT_MAX_TOKENS if route is Route.COMPLETIONS else None
     requested = max_tokens if max_tokens is not None else default_cap
@@ -216,6 +220,7 @@ def parse_generation_request(
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
         eos_bias=eos_bias,
+        forced_length=forced_length,
         stream=stream,
         include_usage=include_usage,
     )
@@ -233,6 +238,27 @@ def _eos_bias(body: Mapping[str, Any], eos_token_id: int) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ApiError(400, "logit_bias values must be numbers", param="logit_bias")
     return float(value)
+
+
+def _forced_length(body: Mapping[str, Any]) -> int | None:
+    """`vllm_xargs.kvgate_bench_output_tokens`, validated as the testbed's processor does."""
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        return None
+    if not isinstance(xargs, Mapping):
+        raise ApiError(400, "'vllm_xargs' must be an object", param="vllm_xargs")
+    if OUTPUT_TOKENS_FIELD not in xargs:
+        return None
+    value = xargs[OUTPUT_TOKENS_FIELD]
+    if isinstance(value, bool):
+        value = int(value)  # vLLM's request model reads JSON true as 1, false as 0
+    if not isinstance(value, int) or value < 1:
+        raise ApiError(
+            400,
+            f"vllm_xargs.{OUTPUT_TOKENS_FIELD} must be an integer >= 1, got {value!r}",
+            param=None,  # the processor's ValueError reaches the client without a param
+        )
+    return value
 
 
 def _prompt_keys(route: Route, body: Mapping[str, Any], count: int) -> tuple[str, ...]:

@@ -3,8 +3,11 @@
 The testbed's model has random weights, so on its own it practically never samples EOS and
 every request runs to `max_tokens`. Clients and the bench control the length the way vLLM
 lets them: `ignore_eos`, `min_tokens`, and a large `logit_bias` on the EOS token, which makes
-EOS the first token the `min_tokens` mask allows. Anything else draws the model's "natural"
-length from a configurable distribution, seeded so that runs repeat.
+EOS the first token the `min_tokens` mask allows. The bench forces lengths by a private path
+instead, which a gateway has no reason to read: `vllm_xargs.kvgate_bench_output_tokens` = N,
+honoured by the testbed's logits processor (tests/testbed/bench_lengths.py) and here alike:
+EOS as output token N exactly. Anything else draws the model's "natural" length from a
+configurable distribution, seeded so that runs repeat.
 
 Distribution specs (`--output-len`):
   max                      never EOS: run to max_tokens (what the testbed's model does)
@@ -25,6 +28,9 @@ from enum import StrEnum
 # its negative keeps it from ever winning. vLLM clamps biases to [-100, 100]; the bench
 # uses +100.
 FORCE_EOS_BIAS = 20.0
+# The private `vllm_xargs` key of the bench's forced output length; bench/payload.py and the
+# testbed's logits processor name the same key.
+OUTPUT_TOKENS_FIELD = "kvgate_bench_output_tokens"
 
 
 class LengthKind(StrEnum):
@@ -107,15 +113,20 @@ def eos_position(
     ignore_eos: bool,
     eos_bias: float | None,
     natural_length: int | None,
+    forced_length: int | None = None,
 ) -> int | None:
     """The output position (1-based, EOS counted) where EOS is sampled, or None for never.
 
     vLLM masks EOS while fewer than `min_tokens` tokens were generated, so the earliest EOS
     is token `min_tokens + 1`: `min_tokens=5` with a forcing bias yields 6 completion tokens,
-    as the testbed answers.
+    as the testbed answers. A `forced_length` (the bench's private field) wins over both: the
+    testbed's processor runs after vLLM's own and allows only EOS at that position, and vLLM
+    0.32 stops at an EOS whatever `min_tokens` said. With `ignore_eos` there is no EOS to force.
     """
     if ignore_eos:
         return None
+    if forced_length is not None:
+        return forced_length
     if eos_bias is not None and eos_bias <= -FORCE_EOS_BIAS:
         return None
     earliest = min_tokens + 1

@@ -304,6 +304,7 @@ class SimRuntime:
                         ignore_eos=request.ignore_eos,
                         eos_bias=request.eos_bias,
                         natural_length=natural,
+                        forced_length=request.forced_length,
                     ),
                     prompt_key=request.prompt_keys[prompt],
                 )

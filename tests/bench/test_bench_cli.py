@@ -112,6 +112,7 @@ def test_two_targets_same_arrivals_side_by_side(fake_servers: list[str], tmp_pat
     assert first["backend_tokens_wasted"] == 0
     assert {t["tenant"] for t in first["tenants"]} == {"a", "b"}
     assert summary["settings"]["forced_output_lengths"] is True
+    assert summary["settings"]["output_forcing"] == "xargs"
     assert summary["settings"]["headers"] == ["X-Run: cli-test"]
     ok_row = next(r for r in summary["comparison"] if r["metric"] == "ok")
     assert ok_row["ratios"] == [1.0, 1.0, 1.0, 1.0]
@@ -124,8 +125,9 @@ def test_two_targets_same_arrivals_side_by_side(fake_servers: list[str], tmp_pat
     assert [r["output_tokens_wanted"] for r in requests[0]] == [r["output_tokens"] for r in requests[1]]
     report = (out / "report.md").read_text()
     assert "### Mean over rounds" in report
-    assert "min_tokens" in report
-    assert "logit_bias" in report
+    # lengths forced by the private field, not by min_tokens (which kvgate reads)
+    assert "vllm_xargs.kvgate_bench_output_tokens" in report
+    assert "min_tokens" not in report
     assert "(1.00x)" in report
     for name in ("latency_cdf.png", "outcomes.png", "timeseries.png"):
         assert (out / name).read_bytes().startswith(b"\x89PNG")

@@ -4,7 +4,8 @@
         --ctx-scale 0.125 --rates 2,4,12 --guards none,8,16,32,48 --kvgate --out build/campaign/azure
 
 For every guard (`none` = vLLM straight, `N` = vLLM started with `--max-num-queued-reqs N`) it
-starts a fresh testbed (engine pinned to the last core), replays the same arrivals at every
+starts a fresh testbed (engine pinned to the last core, loading the bench's length-forcing
+logits processor, see tests/testbed/bench_lengths.py), replays the same arrivals at every
 rate with `kvgate bench` (pinned to core 0), and, for `none` with `--kvgate`, also through a
 kvgate in front of that same vLLM (bench alternates the targets: A B A B with `--repeat`).
 It writes each bench run's report under --out and prints one table of the figures that the
@@ -107,6 +108,7 @@ def run_bench(
         "--max-tokens", str(args.max_tokens), "--deadline", str(args.deadline),
         "--ttft-slo", str(args.ttft_slo), "--backend-metrics", f"{backend}/metrics",
         "--seed", str(args.seed), "--repeat", str(args.repeat), "--out", str(out),
+        "--force-output", args.force_output,
     ]  # fmt: skip
     if (os.cpu_count() or 1) > 1:
         command = ["taskset", "-c", "0", *command]
@@ -145,6 +147,14 @@ def main() -> int:
         default=[],
         help="also run a kvgate with its defaults from the checkout at this folder; repeat for "
         "several (implies --kvgate)",
+    )
+    parser.add_argument(
+        "--force-output",
+        choices=("xargs", "min-tokens"),
+        default="xargs",
+        help="how the bench forces output lengths (see `kvgate bench --help`): the private field "
+        "that the testbed's logits processor reads (default), or min_tokens + an EOS logit_bias, "
+        "which a kvgate that reserves min_tokens reads as the answer",
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)

@@ -18,6 +18,7 @@ from sim.engine import (
     StepCost,
     StepOutput,
 )
+from sim.lengths import eos_position
 
 # Tiny pools make every block boundary visible: 4-token blocks, 6 usable blocks.
 SMALL = EngineConfig(
@@ -416,3 +417,28 @@ def test_pool_is_never_overallocated_and_everything_finishes(
     assert engine.snapshot().num_free_blocks == config.num_usable_blocks
     for rid, tokens in expected.items():
         assert driver.tokens_of(rid) == tokens, rid
+
+
+@pytest.mark.parametrize(
+    ("min_tokens", "ignore_eos", "eos_bias", "natural", "forced", "expected"),
+    [
+        (0, False, None, None, 7, 7),  # the bench's private field alone
+        (20, False, 100.0, None, 7, 7),  # wins over min_tokens and a bias (vLLM stops at any EOS)
+        (0, False, -100.0, 3, 7, 7),  # and over a bias against EOS: the processor runs last
+        (0, False, None, 3, 7, 7),  # and over the natural length
+        (0, True, None, None, 7, None),  # ignore_eos: nothing to force
+        (5, False, 100.0, None, None, 6),  # without it, as before
+    ],
+)
+def test_eos_position_with_the_forced_length(
+    min_tokens: int, ignore_eos: bool, eos_bias: float | None, natural: int | None, forced: int | None,
+    expected: int | None,
+) -> None:  # fmt: skip
+    position = eos_position(
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        eos_bias=eos_bias,
+        natural_length=natural,
+        forced_length=forced,
+    )
+    assert position == expected

@@ -14,7 +14,7 @@ import pytest
 
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
-from sim.lengths import OutputLengthModel
+from sim.lengths import OUTPUT_TOKENS_FIELD, OutputLengthModel
 from sim.server import create_sim_app
 from sim.testing import SimServer, engine_idle, running_sim_server, wait_for
 
@@ -85,6 +85,40 @@ def test_min_tokens_with_eos_logit_bias_stops_right_after_min_tokens(sim: SimSer
     assert ignored["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("length", [1, 6, 33])
+def test_the_benchs_private_length_field_forces_exactly_that_many_tokens(
+    sim: SimServer, route: str, length: int
+) -> None:
+    # As the testbed's logits processor does (tests/bench/test_bench_forcing_vllm.py): EOS as
+    # token N, for every choice, even against min_tokens, and max_tokens still ends it first.
+    prompt = (
+        {"prompt": [1] * 8}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    body = {**prompt, "max_tokens": 50, "n": 2, "vllm_xargs": {OUTPUT_TOKENS_FIELD: length}}
+    result = httpx.post(f"{sim.url}{route}", json=body, timeout=30).json()
+    assert result["usage"]["completion_tokens"] == 2 * length
+    assert [c["finish_reason"] for c in result["choices"]] == ["stop", "stop"]
+    events = stream(sim.url, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2 * length
+    floor = httpx.post(f"{sim.url}{route}", json={**body, "n": 1, "min_tokens": 40}, timeout=30).json()
+    assert floor["usage"]["completion_tokens"] == length
+    capped = httpx.post(f"{sim.url}{route}", json={**body, "n": 1, "max_tokens": 3}, timeout=30).json()
+    assert capped["usage"]["completion_tokens"] == min(3, length)
+
+
+def test_other_xargs_and_ignore_eos_leave_the_length_alone(sim: SimServer) -> None:
+    other = {"prompt": [1] * 8, "max_tokens": 20, "vllm_xargs": {"some_other_key": 3}}
+    assert httpx.post(f"{sim.url}/v1/completions", json=other).json()["usage"]["completion_tokens"] == 20
+    ignored = {**other, "vllm_xargs": {OUTPUT_TOKENS_FIELD: 3}, "ignore_eos": True}
+    assert httpx.post(f"{sim.url}/v1/completions", json=ignored).json()["usage"]["completion_tokens"] == 20
+    # vLLM's request model reads JSON true as the integer 1.
+    one = {**other, "vllm_xargs": {OUTPUT_TOKENS_FIELD: True}}
+    assert httpx.post(f"{sim.url}/v1/completions", json=one).json()["usage"]["completion_tokens"] == 1
+
+
 def test_output_length_distribution_applies_when_nothing_forces_the_length(
     fast_config: SimConfig,
 ) -> None:
@@ -153,11 +187,15 @@ def test_several_prompts_and_n_give_prompt_major_choices(sim: SimServer) -> None
         ("/v1/completions", {"prompt": [1] * 1025}, 400, "input_tokens"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "vllm_xargs": 5}, 400, "vllm_xargs"),
+        ("/v1/completions", {"prompt": "x", "vllm_xargs": {OUTPUT_TOKENS_FIELD: 0}}, 400, None),
+        ("/v1/completions", {"prompt": "x", "vllm_xargs": {OUTPUT_TOKENS_FIELD: "3"}}, 400, None),
+        ("/v1/completions", {"prompt": "x", "vllm_xargs": {OUTPUT_TOKENS_FIELD: 2.5}}, 400, None),
         ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ],
 )
 def test_invalid_requests_get_openai_errors(
-    sim: SimServer, route: str, body: dict[str, Any], status: int, param: str
+    sim: SimServer, route: str, body: dict[str, Any], status: int, param: str | None
 ) -> None:
     response = httpx.post(f"{sim.url}{route}", json=body)
     assert response.status_code == status

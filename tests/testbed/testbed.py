@@ -5,7 +5,8 @@
 
 `start` installs the testbed if needed (tests/testbed/install.sh), launches vLLM's OpenAI
 server on the tiny model with a small KV pool (64 blocks of 32 tokens: contention is real),
-waits until it answers, and prints its URL. The engine is pinned to the last core so that the
+waits until it answers, and prints its URL. Every engine loads the bench's length-forcing logits
+processor (bench_lengths.py beside this file). The engine is pinned to the last core so that the
 gateway and the load generator on the other core do not steal its time. Used by `make test`,
 `make demo` and the session fixture in tests/conftest.py; standard library only.
 """
@@ -31,6 +32,10 @@ SERVED_MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 32
 NUM_BLOCKS = 64
+# The bench forces output lengths through this logits processor (tests/testbed/bench_lengths.py,
+# importable because server_env puts this folder on the engine's path): a private
+# `vllm_xargs` field no gateway reads, instead of `min_tokens`, which kvgate reserves for.
+LOGITS_PROCESSOR = "bench_lengths:ForcedOutputLength"
 
 
 def install() -> tuple[Path, Path]:
@@ -72,6 +77,8 @@ def server_command(venv: Path, model: Path, port: int, extra: list[str]) -> list
         "--dtype",
         "bfloat16",
         "--disable-uvicorn-access-log",
+        "--logits-processors",
+        LOGITS_PROCESSOR,
         *extra,
     ]
     cores = os.cpu_count() or 1
@@ -89,6 +96,8 @@ def server_env() -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
+    # Both the API server (which validates the field) and the engine core import the processor.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     cores = os.cpu_count() or 1
     if cores > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores - 1)
