@@ -18,10 +18,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import testbed
 from conftest import Served, ledger_is_empty, served_gateway
 
-from bench import counting
+from bench.payload import OUTPUT_TOKENS_FIELD
 
 pytestmark = pytest.mark.vllm
 
@@ -323,8 +322,6 @@ def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> No
     # such reservations fill the pool. Four requests that will answer 60, 60, 60 and 600
     # (25 blocks at their ends together) then come at once. Pooled, the p90 of their sum is
     # about 51 blocks, and all four run together, without a preemption.
-    eos = counting.eos_token_id(testbed.model_dir())
-    assert eos is not None
     wait_vllm_idle(vllm_url)
     before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
     with (
@@ -345,9 +342,9 @@ def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> No
                 "model": MODEL,
                 "prompt": "Once upon a",
                 "max_tokens": 600,
-                # The answer's length, forced as the bench forces it: EOS held back until then.
-                "min_tokens": length - 1,
-                "logit_bias": {str(eos): 100},
+                # The answer's length, forced as the bench forces it, by a field kvgate never
+                # reads (min_tokens would tell kvgate the answer: it reserves that floor).
+                "vllm_xargs": {OUTPUT_TOKENS_FIELD: length},
                 "stream": True,
             }
             return httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=180)
