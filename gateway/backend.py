@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from estimator.tokens import TokenCounter
+from gateway.errors import failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,12 @@ async def fetch_models(
         )
         response.raise_for_status()
         return parse_models(response.json())
-    except (httpx.HTTPError, ValueError) as exc:
-        raise DiscoveryError(f"cannot list the backend's models: {exc!r}") from exc
+    except httpx.HTTPStatusError as exc:  # its text names the URL, credentials and all
+        raise DiscoveryError(f"cannot list the backend's models: HTTP {exc.response.status_code}") from exc
+    except httpx.HTTPError as exc:
+        raise DiscoveryError(f"cannot list the backend's models: {failure_reason(exc)}") from exc
+    except ValueError as exc:
+        raise DiscoveryError(f"cannot list the backend's models: {exc}") from exc
 
 
 def tokenizer_candidates(tokenizer: str | None, model: str | None, info: BackendInfo | None) -> list[str]:
