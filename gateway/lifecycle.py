@@ -134,9 +134,10 @@ def header_limited_protocol(
       part of a request came, silently when none did (a browser's idle pre-connection). uvicorn
       itself times only the idle gap between requests (its keep-alive timeout), so a fresh
       connection, or one fed a byte at a time, would otherwise stay open for ever;
-    - a response that completes before its request's body did (an answer that did not need
-      the body, or the app's 408 for a body too slow) closes the connection: the rest of that
-      body, trickled, would keep it open (every byte resets uvicorn's keep-alive timer);
+    - a response that starts before its request's body is complete (an answer that did not
+      need the body, or the app's 408 for a body too slow) says `connection: close` and closes
+      the connection: the rest of that body, trickled, would keep it open (every byte resets
+      uvicorn's keep-alive timer);
     - beyond `max_client_connections` open connections, a new one gets 503 and is closed
       before anything is read: a flood of idle connections costs a descriptor each for an
       instant, not for the header timeout, and never exhausts the process's descriptors.
@@ -154,7 +155,7 @@ def header_limited_protocol(
         # Bytes of the next request are awaited (or arriving); its head is timed from the first.
         _awaiting_head = True
         _request_begun = False
-        _body_complete = True
+        _keep_alive_after_body = True
         _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -186,32 +187,29 @@ def header_limited_protocol(
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._awaiting_head = False
-            self._body_complete = False
             self._cancel_head_timer()
             size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
             if size > max_header_bytes:
                 self._refuse_head()  # and no request cycle: the app never sees it
                 return
             super().on_headers_complete()
+            if self.cycle is not None:
+                # Until the body is complete, an answer closes the connection (and says so).
+                self._keep_alive_after_body = self.cycle.keep_alive
+                self.cycle.keep_alive = False
 
         def on_body(self, body: bytes) -> None:
             if not self._refused:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            self._body_complete = True
             # What comes next on this connection is another request's head.
             self._awaiting_head = True
             self._request_begun = False
             if not self._refused:
+                if self.cycle is not None and not self.cycle.response_started:
+                    self.cycle.keep_alive = self._keep_alive_after_body
                 super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            if not self._body_complete and not self.transport.is_closing():
-                self.server_state.total_requests += 1
-                self.transport.close()
-                return
-            super().on_response_complete()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
