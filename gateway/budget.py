@@ -20,8 +20,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.capacity import KvBudget, Reconciliation
-from gateway.credentials import redact_url
-from gateway.errors import failure_reason
 from gateway.vllm_metrics import METRIC_NAMES, BackendReading, MetricSample, MetricsFormatError, read_backend
 
 log = logging.getLogger(__name__)
@@ -102,12 +100,8 @@ class MetricsPoller:
             response.raise_for_status()
             reading = parse_metrics_text(response.text)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self._fail(f"cannot connect: {failure_reason(exc)}", unreachable=True)
-        except httpx.HTTPStatusError as exc:  # its text names the URL, credentials and all
-            self._fail(f"/metrics answered HTTP {exc.response.status_code}", unreachable=False)
-        except httpx.HTTPError as exc:
-            self._fail(failure_reason(exc), unreachable=False)
-        except MetricsFormatError as exc:
+            self._fail(f"cannot connect: {exc!r}", unreachable=True)
+        except (httpx.HTTPError, MetricsFormatError) as exc:
             self._fail(f"{type(exc).__name__}: {exc}", unreachable=False)
         else:
             result = self._budget.observe(reading, started, self._clock(), waiting=self._waiting())
@@ -123,9 +117,7 @@ class MetricsPoller:
     def _count_failure(self, message: str) -> None:
         self.failures += 1
         if self.failures == 1 or self.failures % 50 == 0:
-            log.warning(
-                "metrics scrape of %s failed (%d so far): %s", redact_url(self._url), self.failures, message
-            )
+            log.warning("metrics scrape of %s failed (%d so far): %s", self._url, self.failures, message)
 
     async def run(self) -> None:
         while True:
