@@ -7,14 +7,19 @@
   Proxying them unadmitted would let KV-consuming work (embeddings, responses, audio) past
   the budget; refusing them keeps kvgate from being an open proxy into the backend.
 - `GET /healthz`: the process answers. `GET /readyz`: 200 only when the backend's models are
-  known, a tokenizer is loaded and the budget is fresh; otherwise 503 and why.
+  known, a tokenizer is loaded and the budget is fresh; otherwise 503 and why (unauthenticated:
+  never the backend's address or credentials, see `gateway.errors.failure_reason`).
 - `GET /metrics`: the gateway's own Prometheus metrics.
 - `GET /admin/state`: budget, ledger, queue, backend, output-length model, the latest
   requests and the process's own figures (tasks, descriptors, memory) as JSON.
   `POST /admin/reload`: re-read the settings and apply those that may change at run time
   (as SIGHUP does; see `gateway.lifecycle`). Both need the admin token
   (`Authorization: Bearer ...` or `X-Kvgate-Admin-Token`) when one is set, and are off on a
-  non-loopback bind without one (`admin_api` in the settings).
+  non-loopback bind without one (`admin_api` in the settings). Neither is served to another
+  site: a request whose `Sec-Fetch-Site` says cross-site or same-site, or whose `Origin` is
+  not the host it was sent to, gets 403; without a token, so does one addressed to a host name
+  that is not a loopback one (DNS rebinding), and a POST without `X-Kvgate-Admin: 1` (a header
+  a cross-site form cannot send).
 - `GET /dashboard`: a self-contained status page that polls `/admin/state` from the browser.
   The page holds no data, so it is served without the token; the browser sends the token the
   user types in with each poll (see `gateway.dashboard`).
