@@ -14,7 +14,7 @@ Then two phases of `--phase-s` seconds each, on loopback only:
    - `--slow` slowloris connections (half trickle a request head, half a body, a byte a
      second, reconnecting whenever kvgate cuts them off),
    - request-supplied chat templates (`{{ 'a' * 10**10 }}`, `{{ 1/0 }}`, nested loops, in the
-     body and in chat_template_kwargs), two clients back to back,
+     body and in chat_template_kwargs), `--template-rate` per second,
    - bodies at `max_body_bytes` (a valid completion whose prompt fills it, and one a byte
      over it, streamed without a length), two clients back to back,
    - clients that ask for a stream and never read it (a small receive buffer), four at a time.
@@ -253,14 +253,17 @@ async def trickler(port: int, body: bool, phase: Phase, stop: asyncio.Event) -> 
                 await writer.wait_closed()
 
 
-async def template_attacker(url: str, index: int, phase: Phase, stop: asyncio.Event) -> None:
+async def template_attacker(url: str, rate: float, phase: Phase, stop: asyncio.Event) -> None:
+    """Request-supplied chat templates at `rate` per second (in the body or in
+    chat_template_kwargs, in turn), each answer awaited before the next is due."""
     async with httpx.AsyncClient(timeout=60.0) as client:
-        n = index
+        n = 0
+        next_at = time.monotonic()
         while not stop.is_set():
             template = TEMPLATES[n % len(TEMPLATES)]
             messages = [{"role": "user", "content": "hi"}]
             body: dict[str, object] = {"model": MODEL, "messages": messages, "max_tokens": 4}
-            if n % 2:
+            if (n // len(TEMPLATES)) % 2:
                 body["chat_template_kwargs"] = {"chat_template": template}
             else:
                 body["chat_template"] = template
@@ -270,7 +273,8 @@ async def template_attacker(url: str, index: int, phase: Phase, stop: asyncio.Ev
                 phase.attacks[f"template_{response.status_code}"] += 1
             except httpx.HTTPError as exc:
                 phase.attacks[f"template_{type(exc).__name__}"] += 1
-                await asyncio.sleep(0.5)
+            next_at += 1.0 / rate
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
 async def huge_body_attacker(
@@ -364,9 +368,32 @@ def probe(url: str, rate: float, duration_s: float, conn: Connection) -> None:
     conn.close()
 
 
+async def backend_idle(backend: str, timeout_s: float = 60.0) -> bool:
+    """Wait (bounded) until vLLM reports no request running or waiting; False if it never did
+    (other clients of a shared testbed), or when the backend has no such gauges."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                text = (await client.get(f"{backend}/metrics")).text
+                busy = [
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+                ]
+                if not busy:
+                    return False
+                if sum(busy) == 0:
+                    return True
+            await asyncio.sleep(0.2)
+    return False
+
+
 async def run_phase(
     name: str, url: str, port: int, pid: int, args: argparse.Namespace, attack: bool
 ) -> Phase:
+    idle = await backend_idle(args.backend_url)
+    print(f"{name} phase: the backend was {'idle' if idle else 'busy (shared)'} at the start", flush=True)
     phase = Phase(name)
     parent, child = multiprocessing.get_context("spawn").Pipe()
     prober = multiprocessing.get_context("spawn").Process(
@@ -383,7 +410,10 @@ async def run_phase(
         if "slowloris" in kinds:
             tasks += [asyncio.create_task(trickler(port, n % 2 == 1, phase, stop)) for n in range(args.slow)]
         if "templates" in kinds:
-            tasks += [asyncio.create_task(template_attacker(url, n, phase, stop)) for n in range(2)]
+            tasks += [
+                asyncio.create_task(template_attacker(url, args.template_rate / 2, phase, stop))
+                for _ in range(2)
+            ]
         if "huge" in kinds:
             tasks += [
                 asyncio.create_task(huge_body_attacker(url, args.max_body_bytes, n, phase, stop))
@@ -457,6 +487,7 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (default 40)")
     parser.add_argument("--rate", type=float, default=4.0, help="normal requests per second (default 4)")
     parser.add_argument("--slow", type=int, default=300, help="slowloris connections (default 300)")
+    parser.add_argument("--template-rate", type=float, default=10.0, help="template requests/s (default 10)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument(
         "--attacks",
@@ -468,8 +499,15 @@ def main() -> int:
     args = parser.parse_args()
     if not set(args.attacks.split(",")) <= set(ATTACKS):
         parser.error(f"--attacks takes a comma-separated subset of {','.join(ATTACKS)}")
-    if not 1 <= args.slow <= 2000 or not 0 < args.rate <= 50 or not 1 <= args.phase_s <= 600:
-        parser.error("--slow within 1..2000, --rate within (0, 50], --phase-s within 1..600")
+    if (
+        not 1 <= args.slow <= 2000
+        or not 0 < args.rate <= 50
+        or not 1 <= args.phase_s <= 600
+        or not 0 < args.template_rate <= 200
+    ):
+        parser.error(
+            "--slow within 1..2000, --rate within (0, 50], --phase-s within 1..600, --template-rate within (0, 200]"
+        )
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, {GATEWAY_CPU})
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-attack-"))
@@ -502,6 +540,7 @@ def main() -> int:
             except RuntimeError:  # the free port was taken before kvgate bound it: another one
                 if attempt == 2:
                     raise
+        args.backend_url = backend
         print(f"kvgate pid {gateway.pid} on {url} in front of {backend}; logs in {log_dir}", flush=True)
         quiet, attack = asyncio.run(main_async(args, url, port, gateway.pid))
         alive = gateway.poll() is None and http_status(f"{url}/healthz") == 200
