@@ -21,6 +21,7 @@ import httpx
 from estimator import kv
 from estimator.modelconfig import ModelNotFoundError, load_config
 from estimator.tokens import TokenCounter
+from gateway.errors import failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,12 @@ async def fetch_models(
         )
         response.raise_for_status()
         payload = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise DiscoveryError(f"cannot list the backend's models: {exc!r}") from exc
+    except httpx.HTTPStatusError as exc:  # its text names the URL, credentials and all
+        raise DiscoveryError(f"cannot list the backend's models: HTTP {exc.response.status_code}") from exc
+    except httpx.HTTPError as exc:
+        raise DiscoveryError(f"cannot list the backend's models: {failure_reason(exc)}") from exc
+    except ValueError as exc:
+        raise DiscoveryError(f"cannot list the backend's models: {exc}") from exc
     return parse_models(payload, await fetch_version(client, base_url, timeout_s=timeout_s, headers=headers))
 
 
@@ -124,7 +129,7 @@ async def fetch_version(
             return None
         return parse_version(response.json())
     except (httpx.HTTPError, ValueError) as exc:
-        log.info("no version from the backend's /version: %r", exc)
+        log.info("no version from the backend's /version: %s", failure_reason(exc))
         return None
 
 

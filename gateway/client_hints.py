@@ -2,7 +2,15 @@
 
 Headers (names are case-insensitive; the mapping passed in must be, or use lower case):
 
-- `X-Kvgate-Priority: high|normal|low` (default normal).
+- `X-Kvgate-Priority: high|normal|low` (default normal). Anyone may lower a request's
+  priority; raising it to high takes the operator's priority token (`priority_token`) in
+  `X-Kvgate-Priority-Token`. Without it, high counts as normal: a client cannot jump the
+  queue, and one written for a kvgate that trusted the header still gets served. A token that
+  is sent but wrong is refused (403), so that a misconfigured client learns of it.
+  vLLM's own body field `priority` (lower runs earlier under `--scheduling-policy priority`,
+  which also preempts running requests for it; ignored otherwise) follows the same rule: a
+  value below 0 takes the token, else 403 (kvgate relays the body as sent, so it cannot lower
+  the value instead).
 - `X-Kvgate-Deadline-Ms`: the whole response must be complete within this many milliseconds
   of arrival.
 - `X-Kvgate-TTFT-Ms`: the first token must arrive within this many milliseconds.
@@ -24,8 +32,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.admission import Priority
+from gateway.credentials import token_matches
+from gateway.errors import PermissionDeniedError
 
 PRIORITY_HEADER = "x-kvgate-priority"
+PRIORITY_TOKEN_HEADER = "x-kvgate-priority-token"
+# vLLM's request field: lower is served earlier, 0 is everyone's default.
+BODY_PRIORITY_FIELD = "priority"
 DEADLINE_HEADER = "x-kvgate-deadline-ms"
 TTFT_HEADER = "x-kvgate-ttft-ms"
 SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
@@ -74,7 +87,17 @@ def _milliseconds(headers: Mapping[str, str], name: str) -> float | None:
     return value / 1000.0
 
 
-def parse_hints(headers: Mapping[str, str], *, streaming: bool) -> ClientHints:
+def parse_hints(
+    headers: Mapping[str, str],
+    *,
+    streaming: bool,
+    priority_token: str | None = None,
+    body_priority: object = None,
+) -> ClientHints:
+    """The hints of a request with these `headers`; `priority_token` is the operator's (None:
+    nobody may raise priority) and `body_priority` the body's `priority` field (None: absent).
+    Raises HintError (400) for a malformed header, PermissionDeniedError (403) for a wrong
+    priority token or a raised vLLM priority without the right one."""
     raw_priority = headers.get(PRIORITY_HEADER)
     if raw_priority is None:
         priority = Priority.NORMAL
@@ -85,6 +108,16 @@ def parse_hints(headers: Mapping[str, str], *, streaming: bool) -> ClientHints:
             raise HintError(
                 PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be high, normal or low, got {raw_priority!r}"
             ) from None
+    may_raise = _may_raise_priority(headers.get(PRIORITY_TOKEN_HEADER), priority_token)
+    if priority is Priority.HIGH and not may_raise:
+        priority = Priority.NORMAL
+    if not may_raise and _raises_vllm_priority(body_priority):
+        raise PermissionDeniedError(
+            f"a '{BODY_PRIORITY_FIELD}' below 0 (served before everyone else's) needs the priority token "
+            f"in {PRIORITY_TOKEN_HEADER}",
+            param=BODY_PRIORITY_FIELD,
+            code="priority_not_allowed",
+        )
     total_s = _milliseconds(headers, DEADLINE_HEADER)
     first_token_s = _milliseconds(headers, TTFT_HEADER)
     if total_s is None and first_token_s is None:
@@ -95,6 +128,30 @@ def parse_hints(headers: Mapping[str, str], *, streaming: bool) -> ClientHints:
             else:
                 total_s = sdk_timeout_s
     return ClientHints(priority, total_s, first_token_s)
+
+
+def _may_raise_priority(offered: str | None, priority_token: str | None) -> bool:
+    if offered is None or priority_token is None:
+        return False  # a token sent to a kvgate that has none configured is just not one
+    if not token_matches(offered.strip(), priority_token):
+        raise PermissionDeniedError(
+            f"the priority token in {PRIORITY_TOKEN_HEADER} is wrong",
+            param=PRIORITY_TOKEN_HEADER,
+            code="invalid_priority_token",
+        )
+    return True
+
+
+def _raises_vllm_priority(value: object) -> bool:
+    """Whether vLLM would read `value` as a priority below 0. Its field is a lax pydantic int:
+    numbers and numeric strings count, a string is taken as negative if it starts with '-'."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return value < 0
+    if isinstance(value, str):
+        return value.strip().startswith("-")
+    return False  # anything else vLLM refuses itself
 
 
 def _sdk_read_timeout(raw: str | None) -> float | None:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import ssl
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,6 +60,22 @@ class UnauthorizedError(GatewayError):
     status = 401
     error_type = "authentication_error"
     default_code = "invalid_admin_token"
+
+
+class PermissionDeniedError(GatewayError):
+    """Understood, and not allowed for this client (403): a priority it may not raise, an admin
+    request from another site."""
+
+    status = 403
+    error_type = "permission_error"
+    default_code = "permission_denied"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client did not send its request in time (408)."""
+
+    status = 408
+    default_code = "request_timeout"
 
 
 class NotFoundError(GatewayError):
@@ -114,6 +133,30 @@ class UpstreamTimeoutError(UpstreamError):
 
     status = 504
     default_code = "upstream_timeout"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What went wrong in a foreign exception, in words safe to show anyone: its kind and, for
+    an operating-system error somewhere in its chain, the system's text for its number, or a
+    TLS error's reason code. Never the exception's own message: that names hosts, ports and
+    URLs ("Connect call failed ('10.0.0.5', 8000)", "... for url 'http://user:pass@...'"),
+    and client-facing errors and /readyz must reveal neither the backend's address nor its
+    credentials."""
+    kind = type(exc).__name__
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, socket.gaierror):
+            return f"{kind}: the host name does not resolve"
+        if isinstance(current, ssl.SSLError) and current.reason:
+            return f"{kind}: TLS error {current.reason}"
+        if isinstance(current, OSError) and isinstance(current.errno, int) and current.errno > 0:
+            return f"{kind}: {os.strerror(current.errno)}"
+        if isinstance(current, TimeoutError):
+            return f"{kind}: timed out"
+        current = current.__cause__ or current.__context__
+    return kind
 
 
 @dataclass(frozen=True, slots=True)

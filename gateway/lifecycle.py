@@ -8,9 +8,12 @@
 - SIGHUP, or `POST /admin/reload`, re-reads the settings from where they came from (flags,
   environment, --config file) and applies those that may change at run time
   (`gateway.settings.RELOADABLE_SETTINGS`) without touching a request in flight.
-- The HTTP server bounds what a client may send before kvgate sees it: the request line and
-  headers together at most `max_header_bytes` (431 beyond, connection closed); bodies are
-  bounded by the app (`max_body_bytes`, 413).
+- The HTTP server bounds what a client may send or hold before kvgate sees it: the request
+  line and headers together at most `max_header_bytes` (431 beyond, connection closed) and
+  complete within `header_timeout_s` (then closed, with 408 when part of a request came); an
+  idle connection is closed after CLIENT_KEEPALIVE_TIMEOUT_S; at most `max_client_connections`
+  connections are open (503 and closed beyond). Bodies are bounded by the app: `max_body_bytes`
+  (413) and `body_timeout_s` (408). See `header_limited_protocol`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import json
 import logging
 import math
+import resource
 import signal
 import threading
 from collections.abc import Callable
@@ -32,11 +36,22 @@ from pydantic import ValidationError
 
 from gateway.request_id import new_request_id
 from gateway.service import BackendGateway
-from gateway.settings import ConfigFileError, Settings, reloaded
+from gateway.settings import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CLIENT_CONNECTIONS,
+    ConfigFileError,
+    Settings,
+    reloaded,
+)
 
 log = logging.getLogger(__name__)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# uvicorn's default: an idle connection between two requests is closed after this long.
+CLIENT_KEEPALIVE_TIMEOUT_S = 5
+# Descriptors kept beside client and backend connections: the listener, the tokenizer's and
+# the log's files, the loop's own.
+DESCRIPTOR_HEADROOM = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,66 +101,177 @@ class Reloader:
         return ReloadResult(applied=applied, needs_restart=ignored)
 
 
-def header_limited_protocol(max_header_bytes: int) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol, refusing a request whose line and headers exceed
-    `max_header_bytes` with 431 (the parser would otherwise buffer them without bound)."""
+def _error_answer(status_line: str, message: str, error_type: str, code: str, *extra: str) -> bytes:
+    """A complete HTTP/1.1 answer in OpenAI's error shape that closes the connection, for the
+    refusals the server itself makes before (or instead of) a request cycle."""
+    body = json.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": code}},
+        separators=(",", ":"),
+    ).encode()
+    head = "".join(
+        (
+            f"HTTP/1.1 {status_line}\r\ncontent-type: application/json\r\n",
+            f"content-length: {len(body)}\r\nx-request-id: {new_request_id()}\r\n",
+            *(f"{line}\r\n" for line in extra),
+            "connection: close\r\n\r\n",
+        )
+    )
+    return head.encode() + body
+
+
+def header_limited_protocol(
+    max_header_bytes: int,
+    *,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS,
+) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with the bounds on what a client may hold:
+
+    - a request line and headers beyond `max_header_bytes` get 431 (the parser would otherwise
+      buffer them without bound);
+    - a request line and headers not complete `header_timeout_s` after the connection opened,
+      or after the first byte of a later request on it, close the connection: with 408 when
+      part of a request came, silently when none did (a browser's idle pre-connection). uvicorn
+      itself times only the idle gap between requests (its keep-alive timeout), so a fresh
+      connection, or one fed a byte at a time, would otherwise stay open for ever;
+    - a response that starts before its request's body is complete (an answer that did not
+      need the body, or the app's 408 for a body too slow) says `connection: close` and closes
+      the connection: the rest of that body, trickled, would keep it open (every byte resets
+      uvicorn's keep-alive timer);
+    - beyond `max_client_connections` open connections, a new one gets 503 and is closed
+      before anything is read: a flood of idle connections costs a descriptor each for an
+      instant, not for the header timeout, and never exhausts the process's descriptors.
+      uvicorn's own `limit_concurrency` would count them all the way to their headers and then
+      refuse ordinary requests too.
+
+    The app bounds the time a body may take to arrive (`body_timeout_s`, 408) and its size
+    (`max_body_bytes`, 413)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
         _head_bytes = 0
         _in_head = True
         _refused = False
+        # Bytes of the next request are awaited (or arriving); its head is timed from the first.
+        _awaiting_head = True
+        _request_begun = False
+        _keep_alive_after_body = True
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_client_connections:
+                self._refuse(
+                    _error_answer(
+                        "503 Service Unavailable",
+                        f"kvgate holds {max_client_connections} client connections, its limit; retry",
+                        "service_unavailable",
+                        "too_many_connections",
+                        "retry-after: 1",
+                        "x-should-retry: true",
+                    )
+                )
+                return
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_head = True
             self._head_bytes = 0
+            self._request_begun = True
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._awaiting_head = False
+            self._cancel_head_timer()
             size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
             if size > max_header_bytes:
                 self._refuse_head()  # and no request cycle: the app never sees it
                 return
             super().on_headers_complete()
+            if self.cycle is not None:
+                # Until the body is complete, an answer closes the connection (and says so).
+                self._keep_alive_after_body = self.cycle.keep_alive
+                self.cycle.keep_alive = False
 
         def on_body(self, body: bytes) -> None:
             if not self._refused:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            # What comes next on this connection is another request's head.
+            self._awaiting_head = True
+            self._request_begun = False
             if not self._refused:
+                if self.cycle is not None and not self.cycle.response_started:
+                    self.cycle.keep_alive = self._keep_alive_after_body
                 super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
             super().data_received(data)
+            if self._refused or self.transport.is_closing():
+                return
             # A head that is still incomplete after this read counts whole; the server then
             # holds at most the limit plus one read before refusing.
-            if self._in_head and not self._refused and not self.transport.is_closing():
+            if self._in_head:
                 self._head_bytes += len(data)
                 if self._head_bytes > max_header_bytes:
                     self._refuse_head()
+                    return
+            if self._awaiting_head and self._head_timer is None:
+                self._arm_head_timer()  # the first bytes of a request on a reused connection
+
+        def _arm_head_timer(self) -> None:
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self._refused or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # A pipelined request trickles in while the previous answer is written: that
+                # answer ends the connection instead of an interleaved 408.
+                self.cycle.keep_alive = False
+                self.flow.pause_reading()
+                return
+            if not self._request_begun:
+                self._refused = True
+                self.transport.close()
+                return
+            self._refuse(
+                _error_answer(
+                    "408 Request Timeout",
+                    f"the request line and headers did not arrive within {header_timeout_s:g} s",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+            )
 
         def _refuse_head(self) -> None:
-            body = json.dumps(
-                {
-                    "error": {
-                        "message": f"the request line and headers exceed {max_header_bytes} bytes",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "request_header_fields_too_large",
-                    }
-                },
-                separators=(",", ":"),
-            ).encode()
-            head = (
-                "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nx-request-id: {new_request_id()}\r\nconnection: close\r\n\r\n"
-            ).encode()
+            self._refuse(
+                _error_answer(
+                    "431 Request Header Fields Too Large",
+                    f"the request line and headers exceed {max_header_bytes} bytes",
+                    "invalid_request_error",
+                    "request_header_fields_too_large",
+                )
+            )
+
+        def _refuse(self, answer: bytes) -> None:
             self._refused = True
-            self.transport.write(head + body)
+            self._cancel_head_timer()
+            self.transport.write(answer)
             self.transport.close()
 
     return HeaderLimitedProtocol
@@ -216,9 +342,44 @@ def serve(
     app.state.reloader = reloader
     config = uvicorn.Config(
         app,
-        http=header_limited_protocol(settings.max_header_bytes),
+        http=header_limited_protocol(
+            settings.max_header_bytes,
+            header_timeout_s=settings.header_timeout_s,
+            max_client_connections=client_connection_limit(settings),
+        ),
         h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=CLIENT_KEEPALIVE_TIMEOUT_S,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
         **options,
     )
     KvgateServer(config, app=app, reloader=reloader).run()
+
+
+def client_connection_limit(settings: Settings) -> int:
+    """`max_client_connections`, within what the process may open: raises the soft limit on
+    descriptors towards the hard one when needed (as most servers do), and lowers the bound
+    (with a warning) when even that is not enough. Without this, a flood of connections would
+    make accept fail with EMFILE and take the descriptors that backend connections and files
+    need; the bound refuses the excess cleanly instead."""
+    others = settings.max_connections + DESCRIPTOR_HEADROOM
+    wanted = settings.max_client_connections + others
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, raised, exc)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return settings.max_client_connections
+    limit = max(1, soft - others)
+    log.warning(
+        "max_client_connections lowered from %d to %d: the process may open %d descriptors and "
+        "keeps %d for backend connections (max_connections) and files",
+        settings.max_client_connections,
+        limit,
+        soft,
+        others,
+    )
+    return limit

@@ -22,6 +22,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
+from gateway.credentials import redact_urls_in
 from gateway.recent import RequestSummary
 from gateway.request_id import current_request_id
 
@@ -33,6 +34,21 @@ QUIET_LOGGERS = ("httpx", "httpcore")
 _CORE_KEYS = frozenset({"ts", "level", "logger", "message", "exc_info", "stack_info"})
 
 LogFormat = Literal["text", "json"]
+
+
+class CredentialFilter(logging.Filter):
+    """Masks the credentials of URLs in a record's message (`user:password@` in a backend URL
+    that a library logs as it requests it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a bad format: the handler reports it as logging does
+            return True
+        redacted = redact_urls_in(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
 
 
 class RequestIdFilter(logging.Filter):
@@ -97,6 +113,7 @@ def configure_logging(level: str, log_format: LogFormat, stream: TextIO | None =
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(formatter_for(log_format))
     handler.addFilter(RequestIdFilter())
+    handler.addFilter(CredentialFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     # Python warnings become log records too, instead of bare lines on stderr.
     logging.captureWarnings(True)

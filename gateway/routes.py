@@ -7,14 +7,19 @@
   Proxying them unadmitted would let KV-consuming work (embeddings, responses, audio) past
   the budget; refusing them keeps kvgate from being an open proxy into the backend.
 - `GET /healthz`: the process answers. `GET /readyz`: 200 only when the backend's models are
-  known, a tokenizer is loaded and the budget is fresh; otherwise 503 and why.
+  known, a tokenizer is loaded and the budget is fresh; otherwise 503 and why (unauthenticated:
+  never the backend's address or credentials, see `gateway.errors.failure_reason`).
 - `GET /metrics`: the gateway's own Prometheus metrics.
 - `GET /admin/state`: budget, ledger, queue, backend, output-length model, the latest
   requests and the process's own figures (tasks, descriptors, memory) as JSON.
   `POST /admin/reload`: re-read the settings and apply those that may change at run time
   (as SIGHUP does; see `gateway.lifecycle`). Both need the admin token
   (`Authorization: Bearer ...` or `X-Kvgate-Admin-Token`) when one is set, and are off on a
-  non-loopback bind without one (`admin_api` in the settings).
+  non-loopback bind without one (`admin_api` in the settings). Neither is served to another
+  site: a request whose `Sec-Fetch-Site` says cross-site or same-site, or whose `Origin` is
+  not the host it was sent to, gets 403; without a token, so does one addressed to a host name
+  that is not a loopback one (DNS rebinding), and a POST without `X-Kvgate-Admin: 1` (a header
+  a cross-site form cannot send).
 - `GET /dashboard`: a self-contained status page that polls `/admin/state` from the browser.
   The page holds no data, so it is served without the token; the browser sends the token the
   user types in with each poll (see `gateway.dashboard`).
@@ -24,10 +29,11 @@ Every response carries `x-request-id` (see `gateway.request_id`).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import asyncio
 import json
+from collections.abc import Awaitable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -38,6 +44,7 @@ from starlette.routing import Route as StarletteRoute
 from starlette.types import Receive, Scope, Send
 
 from estimator.tokens import Route
+from gateway.credentials import token_matches
 from gateway.dashboard import DashboardPage, load_page
 from gateway.errors import (
     BodyTooLargeError,
@@ -45,10 +52,13 @@ from gateway.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
+    PermissionDeniedError,
+    RequestTimeoutError,
     UnauthorizedError,
     UpstreamError,
     UpstreamTimeoutError,
     error_body,
+    failure_reason,
     to_http,
 )
 from gateway.metrics import GatewayMetrics
@@ -57,7 +67,7 @@ from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome
 from gateway.process_stats import process_stats
 from gateway.request_id import RequestIdMiddleware, request_id_of
 from gateway.service import BackendGateway, ClientGoneError
-from gateway.settings import Settings
+from gateway.settings import Settings, is_loopback
 
 SERVED_V1_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
@@ -85,6 +95,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _received(body: Awaitable[bytes], timeout_s: float) -> bytes:
+    """`body`, or RequestTimeoutError (408) when it has not arrived within `timeout_s` of the
+    head: a client trickling its body would otherwise hold a connection and a task for ever.
+    (The server closes the connection after the answer: the rest of the body may still come.)"""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await body
+    except TimeoutError:
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
+
+
 def _parse_json(raw: bytes) -> Any:
     if not raw:
         raise InvalidRequestError("the request body is empty; expected a JSON object", code="invalid_json")
@@ -99,7 +120,9 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
     arrived_at = gateway.clock()
     request_id = request_id_of(request.scope)
     try:
-        raw = await _read_body(request, gateway.settings.max_body_bytes)
+        raw = await _received(
+            _read_body(request, gateway.settings.max_body_bytes), gateway.settings.body_timeout_s
+        )
         body = _parse_json(raw)
         prepared = await gateway.prepare(route, body, raw, request.headers, arrived_at, request_id)
     except GatewayError as exc:
@@ -163,9 +186,11 @@ async def list_models(request: Request) -> Response:
             timeout=httpx.Timeout(settings.discovery_timeout_s),
         )
     except httpx.TimeoutException as exc:
-        return error_response(UpstreamTimeoutError(f"the backend did not list its models in time: {exc!r}"))
+        return error_response(
+            UpstreamTimeoutError(f"the backend did not list its models in time: {failure_reason(exc)}")
+        )
     except httpx.HTTPError as exc:
-        return error_response(UpstreamError(f"cannot reach the backend: {exc!r}"))
+        return error_response(UpstreamError(f"cannot reach the backend: {failure_reason(exc)}"))
     return Response(
         upstream.content,
         status_code=upstream.status_code,
@@ -202,8 +227,23 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _admin_refusal(request: Request, settings: Settings) -> Response | None:
-    """None when the request may use the admin API, else the answer to give it."""
+ADMIN_TOKEN_HEADER = "x-kvgate-admin-token"
+# Without an admin token, a request that changes state (POST /admin/*) carries this header:
+# a page of another site cannot send a custom header without a CORS preflight, which kvgate
+# never grants, so a form or a script elsewhere cannot reload a loopback kvgate.
+ADMIN_INTENT_HEADER = "x-kvgate-admin"
+# What the browser says of the page that sent a request (Fetch Metadata): only kvgate's own
+# pages (same-origin) and requests no page made (none: typed, bookmarked, or not a browser).
+_ADMIN_FETCH_SITES = frozenset({"same-origin", "none"})
+
+
+def _admin_refusal(request: Request, settings: Settings, *, changes_state: bool = False) -> Response | None:
+    """None when the request may use the admin API, else the answer to give it.
+
+    Beyond the token: a request that a browser marks as sent by another site (Sec-Fetch-Site,
+    or an Origin other than the host it was sent to) is refused, and so is, without a token on
+    a loopback bind, one addressed to a host name other than a loopback one (a page that
+    rebinds its own name to 127.0.0.1 is same-origin to the browser, but says its name)."""
     if not settings.admin_enabled():
         return error_response(
             NotFoundError(
@@ -212,19 +252,62 @@ def _admin_refusal(request: Request, settings: Settings) -> Response | None:
                 code="admin_api_disabled",
             )
         )
+    cross_site = _cross_site(request)
+    if cross_site is not None:
+        return error_response(
+            PermissionDeniedError(
+                f"the admin API is not served to other sites ({cross_site})", code="cross_site"
+            )
+        )
     if settings.admin_token is None:
+        if is_loopback(settings.host) and not is_loopback(_host_name(request.headers.get("host", ""))):
+            return error_response(
+                PermissionDeniedError(
+                    "without an admin token the admin API answers only requests addressed to a loopback "
+                    "host (localhost, 127.0.0.1, [::1])",
+                    code="admin_host_not_loopback",
+                )
+            )
+        if changes_state and not request.headers.get(ADMIN_INTENT_HEADER):
+            return error_response(
+                PermissionDeniedError(
+                    f"{request.method} {request.url.path} needs the header X-Kvgate-Admin: 1 (or the admin "
+                    "token), which a page of another site cannot send",
+                    code="admin_header_required",
+                )
+            )
         return None
-    offered = request.headers.get("x-kvgate-admin-token", "")
+    offered = request.headers.get(ADMIN_TOKEN_HEADER, "")
     authorization = request.headers.get("authorization", "")
     if authorization.lower().startswith("bearer "):
         offered = offered or authorization[7:].strip()
-    # Digests of equal length, compared in constant time: neither the token's bytes nor its
-    # length show in the time an answer takes.
-    expected = hashlib.sha256(settings.admin_token.get_secret_value().encode()).digest()
-    given = hashlib.sha256(offered.encode("utf-8", "surrogateescape")).digest()
-    if offered and hmac.compare_digest(given, expected):
+    if token_matches(offered, settings.admin_token.get_secret_value()):
         return None
     return error_response(UnauthorizedError("the admin token is missing or wrong"))
+
+
+def _cross_site(request: Request) -> str | None:
+    """Why a browser's request comes from another site, or None."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site.strip().lower() not in _ADMIN_FETCH_SITES:
+        return f"Sec-Fetch-Site: {site.strip().lower()}"
+    origin = request.headers.get("origin")
+    if origin is None:
+        return None
+    parts = urlsplit(origin.strip())
+    host = request.headers.get("host", "")
+    if parts.scheme not in ("http", "https") or parts.netloc.lower() != host.strip().lower():
+        return "Origin is not this host"
+    return None
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
+    host = host.strip()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    name, sep, port = host.rpartition(":")
+    return name if sep and port.isdigit() else host
 
 
 async def admin_state(request: Request) -> Response:
@@ -243,7 +326,7 @@ async def admin_state(request: Request) -> Response:
 
 async def admin_reload(request: Request) -> Response:
     """Re-read the settings and apply those that may change at run time (as SIGHUP does)."""
-    refusal = _admin_refusal(request, _gateway(request).settings)
+    refusal = _admin_refusal(request, _gateway(request).settings, changes_state=True)
     if refusal is not None:
         return refusal
     reloader = getattr(request.app.state, "reloader", None)

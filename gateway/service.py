@@ -61,6 +61,7 @@ from gateway.backend import (
 from gateway.budget import MetricsPoller
 from gateway.capacity import BudgetSnapshot, BudgetState, CapacityConfig, KvBudget, Reconciliation
 from gateway.client_hints import HintError, parse_hints, queue_deadlines
+from gateway.credentials import redact_url
 from gateway.errors import (
     ContextTooLongError,
     ExceedsKvPoolError,
@@ -454,7 +455,7 @@ class BackendGateway:
         pace = self.pace.describe(now)
         return {
             "name": self.name,
-            "url": self.settings.backend_url,
+            "url": redact_url(self.settings.backend_url),
             "ready": self.readiness()[0],
             "budget": {
                 "state": snapshot.state.value,
@@ -570,7 +571,12 @@ class BackendGateway:
         if not isinstance(streaming, bool):
             raise InvalidRequestError("'stream' must be a boolean", param="stream")
         try:
-            hints = parse_hints(headers, streaming=streaming)
+            hints = parse_hints(
+                headers,
+                streaming=streaming,
+                priority_token=token.get_secret_value() if (token := self.settings.priority_token) else None,
+                body_priority=body.get("priority"),
+            )
         except HintError as exc:
             raise InvalidRequestError(exc.message, param=exc.header) from exc
 

@@ -21,6 +21,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from gateway.admission import Priority
+from gateway.credentials import REDACTED, redact_url
 
 ENV_PREFIX = "KVGATE_"
 
@@ -95,6 +96,15 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The request line and headers together; past it the connection gets 431 and is closed.
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 
+# Receipt of a request (slow clients, slowloris): a connection whose request line and headers
+# are not complete this long after it opened (or after the request's first byte, on a reused
+# connection) is closed, with 408 when part of a request came; a body not received this long
+# after its head gets 408. Beyond `max_client_connections` open client connections, a new one
+# is answered 503 and closed at once, so that descriptors never run out (see gateway.lifecycle).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CLIENT_CONNECTIONS = 4096
+
 # Shutdown (SIGTERM): not ready at once; listen on for the delay (so that load balancers see
 # /readyz fail), then stop listening and give streams in flight the grace period to finish.
 DEFAULT_SHUTDOWN_DELAY_S = 0.0
@@ -129,6 +139,10 @@ class Settings(BaseSettings):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     admin_token: SecretStr | None = None
+    # Who may raise a request's priority (X-Kvgate-Priority: high, or vLLM's body field
+    # `priority` below 0): clients that send this token in X-Kvgate-Priority-Token. Unset:
+    # nobody (high counts as normal; see gateway.client_hints). Lowering is always allowed.
+    priority_token: SecretStr | None = None
     # The admin endpoints (/admin/*): "auto" serves them when an admin token is set (and then
     # requires it) or, without one, only on a loopback bind; "on" also serves them without a
     # token on a public bind; "off" never serves them.
@@ -205,6 +219,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     max_header_bytes: int = Field(DEFAULT_MAX_HEADER_BYTES, ge=1024)
+    header_timeout_s: float = Field(DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600)
+    body_timeout_s: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600)
+    max_client_connections: int = Field(DEFAULT_MAX_CLIENT_CONNECTIONS, ge=1)
 
     # Shutdown.
     shutdown_delay_s: float = Field(DEFAULT_SHUTDOWN_DELAY_S, ge=0)
@@ -215,7 +232,7 @@ class Settings(BaseSettings):
     tokenizer_max_pending: int = Field(DEFAULT_TOKENIZER_MAX_PENDING, ge=1)
     tokenizer_inline_max_bytes: int = Field(DEFAULT_TOKENIZER_INLINE_MAX_BYTES, ge=0, le=64 * 1024)
 
-    @field_validator("admin_token", "backend_api_key", mode="before")
+    @field_validator("admin_token", "backend_api_key", "priority_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         # KVGATE_ADMIN_TOKEN= (set but empty) must not become a token that an empty header matches.
@@ -283,9 +300,10 @@ class Settings(BaseSettings):
     def public_view(self) -> dict[str, Any]:
         """The settings as JSON-safe values, secrets masked (for /admin/state and logs)."""
         data = self.model_dump(mode="json")
-        for secret in ("admin_token", "backend_api_key"):
+        for secret in ("admin_token", "backend_api_key", "priority_token"):
             if data.get(secret) is not None:
-                data[secret] = "***"
+                data[secret] = REDACTED
+        data["backend_url"] = redact_url(self.backend_url)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 
 
@@ -297,6 +315,7 @@ RELOADABLE_SETTINGS = frozenset(
         "log_level",
         "admin_token",
         "admin_api",
+        "priority_token",
         "metrics_poll_interval_s",
         "metrics_timeout_s",
         "metrics_stale_after_s",
@@ -332,6 +351,7 @@ RELOADABLE_SETTINGS = frozenset(
         "first_byte_timeout_s",
         "between_chunk_timeout_s",
         "max_body_bytes",
+        "body_timeout_s",
         "tokenizer_max_pending",
         "tokenizer_inline_max_bytes",
         "shutdown_delay_s",

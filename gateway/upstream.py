@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from gateway.errors import UpstreamError, UpstreamTimeoutError
+from gateway.errors import UpstreamError, UpstreamTimeoutError, failure_reason
 
 # vLLM's server (uvicorn) closes a connection after 5 s idle; dropping ours a little earlier
 # keeps the pool from picking a connection the server is closing at that very moment.
@@ -168,7 +168,7 @@ class _Connection(asyncio.Protocol):
             if exc is None and self._head_done() and self._delimited_by_close():
                 self._finish(keep_alive=False)
             else:
-                reason = f": {exc!r}" if exc is not None else ""
+                reason = f": {failure_reason(exc)}" if exc is not None else ""
                 started = self._started
                 where = "in the middle of its response" if started else "before responding"
                 self._fail(
@@ -517,11 +517,11 @@ class HttpUpstream:
         except TimeoutError as exc:
             self._slot_freed()
             raise UpstreamTimeoutError(
-                f"connecting to the backend at {self._host}:{self._port} took over {self._connect_timeout_s:g} s"
+                f"connecting to the backend took over {self._connect_timeout_s:g} s"
             ) from exc
         except OSError as exc:  # refused, unreachable, name resolution, TLS handshake
             self._slot_freed()
-            raise UpstreamError(f"cannot connect to the backend at {self._host}:{self._port}: {exc}") from exc
+            raise UpstreamError(f"cannot connect to the backend: {failure_reason(exc)}") from exc
         except BaseException:
             self._slot_freed()
             raise
@@ -594,10 +594,10 @@ class _HttpxResponse:
         except StopAsyncIteration:
             return b""
         except httpx.TimeoutException as exc:
-            raise UpstreamTimeoutError(f"the backend timed out: {exc!r}") from exc
+            raise UpstreamTimeoutError(f"the backend timed out: {failure_reason(exc)}") from exc
         except httpx.HTTPError as exc:
             raise UpstreamClosedError(
-                f"the backend broke off its response: {exc!r}", response_started=True
+                f"the backend broke off its response: {failure_reason(exc)}", response_started=True
             ) from exc
 
     async def aclose(self) -> None:
@@ -622,9 +622,9 @@ class HttpxUpstream:
             async with asyncio.timeout_at(deadline):
                 response = await self._client.send(built, stream=True)
         except httpx.TimeoutException as exc:
-            raise UpstreamTimeoutError(f"the backend did not answer in time: {exc!r}") from exc
+            raise UpstreamTimeoutError(f"the backend did not answer in time: {failure_reason(exc)}") from exc
         except httpx.HTTPError as exc:
-            raise UpstreamError(f"cannot reach the backend: {exc!r}") from exc
+            raise UpstreamError(f"cannot reach the backend: {failure_reason(exc)}") from exc
         return _HttpxResponse(response)
 
     async def aclose(self) -> None:

@@ -63,6 +63,8 @@ DOWN_BACKEND = "down"
 CLIENTS = 14
 RAMP_STEP_S = 0.4
 PRIORITIES = ("high", "normal", "low")
+# Raising priority to high takes the priority token (see gateway.client_hints).
+PRIORITY_TOKEN = "deploy-priority-token"
 PROMPT = "word " * 150
 GATEWAY_MAX_TOKENS = 64
 # Bursts sent straight to the emulator, around kvgate: 5 x (60 + 400) tokens overflow the
@@ -104,6 +106,7 @@ def _kvgate_serve(settings: dict[str, str], log_path: Path, *, ready: bool) -> I
         KVGATE_HOST="127.0.0.1",
         KVGATE_PORT=str(port),
         KVGATE_LOG_LEVEL="warning",
+        KVGATE_PRIORITY_TOKEN=PRIORITY_TOKEN,
         # As in the image: tokenizers come from local files only (the emulator's model name
         # is no local folder, so kvgate falls back on estimating prompt tokens).
         HF_HUB_OFFLINE="1",
@@ -245,7 +248,7 @@ class Load:
     async def _client(self, client: httpx.AsyncClient, index: int) -> None:
         priority = PRIORITIES[index % len(PRIORITIES)]
         for n in range(1_000_000):
-            headers = {"x-kvgate-priority": priority}
+            headers = {"x-kvgate-priority": priority, "x-kvgate-priority-token": PRIORITY_TOKEN}
             if n % 4 == 3:
                 headers["x-kvgate-deadline-ms"] = "400"
             body = {

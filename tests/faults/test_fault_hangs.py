@@ -1,20 +1,28 @@
 """The backend hangs: it does not accept the connection, accepts and never answers, answers too
-late, or stalls in the middle of a stream.
+late, or stalls in the middle of a stream. And clients hang: they trickle their request's head
+or body (slowloris), or hold connections open without a word.
 
 What must happen: the configured connect, first-byte and between-chunk timeouts end each case
 with 504 (as an OpenAI error, or as an SSE error event once a stream has begun), nothing waits
 forever, the backend is told that nobody waits any more (its request is released), and every
 reservation is completed.
+
+For clients: a head not complete within `header_timeout_s` closes the connection (408 when
+part of a request came), a body not received within `body_timeout_s` gets 408, an idle
+keep-alive connection is closed, and past `max_client_connections` a new connection gets 503
+at once, while ordinary requests go on being served.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,16 +30,21 @@ import pytest
 from faultkit import (
     LONG_STREAM,
     SLOW_STEPS,
+    KvgateProcess,
     Served,
+    SimProcess,
     clear_faults,
     gateway_idle,
+    kvgate_process,
     poll_until,
     served_gateway,
     set_faults,
+    sim_process,
     sim_state,
     sse_events,
 )
 
+from gateway.lifecycle import CLIENT_KEEPALIVE_TIMEOUT_S
 from sim.config import SimConfig
 from sim.testing import SimServer, running_sim_server
 
@@ -201,3 +214,163 @@ def test_a_backend_that_does_not_accept_is_a_504_after_the_connect_timeout(sim: 
                     filler.close()
     finally:
         gatekeeper.close()
+
+
+# -- clients that hang: slow or endless request heads and bodies (slowloris) ------------------
+
+RECEIPT_TIMEOUT_S = 1.0
+# A trickling client sends a byte this often: well within any timeout, so only a bound on the
+# whole head or body can end it.
+TRICKLE_S = 0.1
+# It gives up trickling after this many bytes (ten times the timeout): kvgate must act first.
+TRICKLE_MAX_BYTES = int(10 * RECEIPT_TIMEOUT_S / TRICKLE_S)
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: kvgate\r\ncontent-type: application/json\r\n"
+
+
+@pytest.fixture(scope="module")
+def sim_proc() -> Iterator[SimProcess]:
+    with sim_process(SimConfig()) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def edge(sim_proc: SimProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateProcess]:
+    """A real `kvgate serve` (its own HTTP protocol) with short receipt timeouts."""
+    log = tmp_path_factory.mktemp("edge") / "kvgate.log"
+    with kvgate_process(
+        sim_proc.url,
+        log,
+        settings={"header_timeout_s": RECEIPT_TIMEOUT_S, "body_timeout_s": RECEIPT_TIMEOUT_S},
+    ) as kvgate:
+        yield kvgate
+
+
+def connect(kvgate: KvgateProcess) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", kvgate.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def trickle(sock: socket.socket, start: bytes, byte: bytes) -> tuple[bytes, int]:
+    """Send `start`, then `byte` every TRICKLE_S until kvgate answers or closes; returns what
+    it sent back (b"" for a bare close) and how many bytes were trickled."""
+    sock.sendall(start)
+    for sent in range(TRICKLE_MAX_BYTES):
+        if select.select([sock], [], [], TRICKLE_S)[0]:
+            return read_to_close(sock), sent
+        try:
+            sock.sendall(byte)
+        except OSError:  # closed by kvgate between two bytes
+            return b"", sent
+    raise AssertionError(f"kvgate still read a trickle after {TRICKLE_MAX_BYTES} bytes")
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    data = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(data)
+
+
+def error_of(answer: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"connection: close" in head.lower()
+    return status, json.loads(body)["error"]
+
+
+def test_a_trickled_head_is_cut_off_with_408(edge: KvgateProcess) -> None:
+    with connect(edge) as sock:
+        answer, _ = trickle(sock, HEAD, b"x")  # a header line that never ends
+    status, error = error_of(answer)
+    assert (status, error["code"]) == (408, "request_timeout")
+    # A connection that sends nothing is closed without an answer (it may be a browser's
+    # pre-connection); so is one that only ever sends blank lines.
+    with connect(edge) as sock:
+        assert trickle(sock, b"", b"")[0] == b""
+    with connect(edge) as sock:
+        assert trickle(sock, b"\r\n", b"\r\n")[0] == b""
+
+
+def test_a_trickled_body_gets_408_and_the_connection_closes(edge: KvgateProcess) -> None:
+    body = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
+    start = HEAD + b"content-length: %d\r\n\r\n" % (len(body) + 1000) + body
+    with connect(edge) as sock:
+        answer, _ = trickle(sock, start, b" ")
+    status, error = error_of(answer)
+    assert (status, error["code"], error["type"]) == (408, "request_timeout", "invalid_request_error")
+    assert "body" in error["message"]
+    # A body the endpoint never reads cannot keep the connection either: the answer comes,
+    # then the connection closes, however the rest of the body trickles.
+    with connect(edge) as sock:
+        answer, _ = trickle(sock, b"GET /healthz HTTP/1.1\r\nhost: k\r\ncontent-length: 100000\r\n\r\n", b".")
+    assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+def test_an_idle_keep_alive_connection_is_closed(edge: KvgateProcess) -> None:
+    with connect(edge) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: k\r\n\r\n")
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):  # the head and the body may come apart
+            chunk = sock.recv(65536)
+            assert chunk, "closed before the answer"
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 200 ")
+        # uvicorn's keep-alive timeout (5 s) closes it; the wait is bounded by the socket's.
+        sock.settimeout(CLIENT_KEEPALIVE_TIMEOUT_S * 3)
+        assert read_to_close(sock) == b""
+
+
+def test_ordinary_requests_are_served_while_hundreds_of_slow_clients_hold_connections(
+    sim_proc: SimProcess, tmp_path: Path
+) -> None:
+    """300 connections trickle heads and bodies (the timeouts are long here, so that they stay
+    open); ordinary requests and /healthz are answered all along, and once past the bound on
+    connections a new one is refused at once, which a freed one takes again."""
+    slow = 300
+    limit = slow + 20
+    with kvgate_process(
+        sim_proc.url,
+        tmp_path / "kvgate.log",
+        settings={"header_timeout_s": 120, "body_timeout_s": 120, "max_client_connections": limit},
+    ) as kvgate:
+        attackers = [connect(kvgate) for _ in range(slow)]
+        try:
+            for n, sock in enumerate(attackers):
+                sock.sendall(HEAD if n % 2 else HEAD + b"content-length: 100000\r\n\r\n{")
+            for _ in range(3):
+                for sock in attackers:
+                    sock.sendall(b"x" if attackers.index(sock) % 2 else b" ")
+                plain = httpx.post(f"{kvgate.url}/v1/completions", json=PLAIN, timeout=30)
+                assert plain.status_code == 200, plain.text
+                assert httpx.get(f"{kvgate.url}/healthz", timeout=10).status_code == 200
+            # Fill the remaining connections; the next one is refused with 503 at once.
+            # (kvgate accepts them in its own time: one that it took before the last filler
+            # counts as a filler, and the next is tried.)
+            fillers = [connect(kvgate) for _ in range(limit - slow)]
+            refusal = None
+            for _ in range(limit - slow):
+                sock = connect(kvgate)
+                if not select.select([sock], [], [], 2.0)[0]:
+                    fillers.append(sock)  # accepted as an ordinary connection
+                    continue
+                with sock:
+                    refusal = error_of(read_to_close(sock))
+                break
+            assert refusal is not None, "no connection was refused past the bound"
+            assert (refusal[0], refusal[1]["code"]) == (503, "too_many_connections")
+            for sock in fillers:
+                sock.close()
+            poll_until(
+                lambda: httpx.get(f"{kvgate.url}/healthz", timeout=10).status_code == 200,
+                10,
+                "a freed connection to serve again",
+            )
+            # All the while, the slow connections were held, not dropped.
+            assert not any(select.select(attackers, [], [], 0)[0])
+        finally:
+            for sock in attackers:
+                sock.close()

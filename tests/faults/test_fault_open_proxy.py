@@ -122,6 +122,7 @@ def test_hop_by_hop_headers_stay_on_their_side(kvgate: Served, backend: tuple[Re
         "trailer: x-late\r\n"
         "x-kvgate-priority: high\r\n"
         "x-kvgate-admin-token: admin-secret\r\n"
+        "x-kvgate-priority-token: priority-secret\r\n"
         "x-end-to-end: kept\r\n"
     )
     status, headers, _ = raw_exchange(kvgate.url, post("/v1/completions", extra=extra))
@@ -130,7 +131,7 @@ def test_hop_by_hop_headers_stay_on_their_side(kvgate: Served, backend: tuple[Re
     names = {name for name, _ in seen.headers}
     dropped = {
         "x-client-hop", "keep-alive", "te", "upgrade", "proxy-authorization", "proxy-connection",
-        "trailer", "x-kvgate-priority", "x-kvgate-admin-token",
+        "trailer", "x-kvgate-priority", "x-kvgate-admin-token", "x-kvgate-priority-token",
     }  # fmt: skip
     assert not names & dropped, names & dropped
     assert seen.header("x-end-to-end") == ["kept"]

@@ -6,11 +6,17 @@
 - Every response carries an x-request-id, and the request's log line the same id.
 - A request line and headers past `max_header_bytes` get 431; a body past `max_body_bytes`
   gets 413; the server goes on serving.
+- Raising a request's priority (X-Kvgate-Priority: high, vLLM's `priority` below 0) takes the
+  priority token; nobody may by default.
+- No client-facing body names the backend's address or its credentials; the URL's credentials
+  are masked wherever it is shown.
+- The admin API refuses what a page of another site can send.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 from collections.abc import Iterator
@@ -18,7 +24,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from faultkit import ADMIN_TOKEN, SimProcess, kvgate_process, raw_exchange, served_gateway
+from faultkit import (
+    ADMIN_TOKEN,
+    SimProcess,
+    clear_faults,
+    kvgate_process,
+    poll_until,
+    raw_exchange,
+    served_gateway,
+    set_faults,
+)
 
 from sim.config import SimConfig
 
@@ -208,3 +223,187 @@ def test_header_and_body_limits_on_a_real_process(sim: SimProcess, tmp_path: Pat
         big = httpx.post(f"{kvgate.url}/v1/completions", content=b"x" * 5000, timeout=10)
         assert big.status_code == 413
         assert "x-request-id" in big.headers
+
+
+# -- who may raise a request's priority --------------------------------------------------------
+
+PRIORITY_TOKEN = "priority-token-6620-secret"
+PLAIN = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+
+
+def admitted(url: str, priority: str) -> float:
+    prefix = f'kvgate_admitted_total{{backend="default",priority="{priority}"}} '
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    return 0.0
+
+
+def test_without_a_priority_token_nobody_jumps_the_queue(sim: SimProcess) -> None:
+    """The default: high counts as normal, a vLLM priority below 0 is refused, lowering is fine."""
+    with served_gateway(sim.url) as kvgate:
+        url = f"{kvgate.url}/v1/completions"
+        high = {"x-kvgate-priority": "high", "x-kvgate-priority-token": PRIORITY_TOKEN}
+        assert httpx.post(url, json=PLAIN, headers=high, timeout=10).status_code == 200
+        assert (
+            httpx.post(url, json=PLAIN, headers={"x-kvgate-priority": "low"}, timeout=10).status_code == 200
+        )
+        for value in (-1, "-1", -0.5):
+            refused = httpx.post(url, json={**PLAIN, "priority": value}, timeout=10)
+            assert refused.status_code == 403, refused.text
+            error = refused.json()["error"]
+            assert (error["code"], error["param"]) == ("priority_not_allowed", "priority")
+        assert httpx.post(url, json={**PLAIN, "priority": 3}, timeout=10).status_code == 200
+        assert (admitted(kvgate.url, "high"), admitted(kvgate.url, "normal")) == (0, 2)
+        assert admitted(kvgate.url, "low") == 1
+
+
+def test_the_priority_token_lets_its_holders_raise_priority(sim: SimProcess) -> None:
+    with served_gateway(sim.url, priority_token=PRIORITY_TOKEN) as kvgate:
+        url = f"{kvgate.url}/v1/completions"
+        token = {"x-kvgate-priority-token": PRIORITY_TOKEN}
+        assert (
+            httpx.post(url, json=PLAIN, headers={"x-kvgate-priority": "high"}, timeout=10).status_code == 200
+        )
+        raised = httpx.post(url, json=PLAIN, headers={"x-kvgate-priority": "high", **token}, timeout=10)
+        assert raised.status_code == 200
+        assert httpx.post(url, json={**PLAIN, "priority": -5}, headers=token, timeout=10).status_code == 200
+        wrong = httpx.post(
+            url,
+            json=PLAIN,
+            headers={"x-kvgate-priority": "high", "x-kvgate-priority-token": "guess"},
+            timeout=10,
+        )
+        assert wrong.status_code == 403
+        assert wrong.json()["error"]["code"] == "invalid_priority_token"
+        assert PRIORITY_TOKEN not in wrong.text
+        assert httpx.post(url, json={**PLAIN, "priority": -5}, timeout=10).status_code == 403
+        assert (admitted(kvgate.url, "high"), admitted(kvgate.url, "normal")) == (1, 2)
+        state = httpx.get(f"{kvgate.url}/admin/state", timeout=5).json()
+        assert state["settings"]["priority_token"] == "***"
+
+
+# -- what errors reveal ------------------------------------------------------------------------
+
+BACKEND_USER = "kvuser"
+BACKEND_PASSWORD = "backend-pass-3391-secret"
+
+
+def test_no_client_facing_body_names_the_backend_or_its_credentials(tmp_path: Path) -> None:
+    """kvgate in front of an emulator whose URL carries credentials; the emulator hangs, then
+    dies. Every body a client can read (errors, /readyz, /v1/models, the admin state, the
+    dashboard) and every log line is searched for the backend's address and its credentials."""
+    sim = SimProcess(SimConfig())
+    sim.start()
+    address = f"127.0.0.1:{sim.port}"
+    backend_url = f"http://{BACKEND_USER}:{BACKEND_PASSWORD}@{address}"
+    bodies: list[str] = []  # what anyone may read
+    admin_bodies: list[str] = []  # the operator's view: the address, but no credentials
+
+    def collect(response: httpx.Response, into: list[str] = bodies) -> httpx.Response:
+        into.append(response.text)
+        into.extend(f"{name}: {value}" for name, value in response.headers.items())
+        return response
+
+    try:
+        with kvgate_process(
+            backend_url,
+            tmp_path / "kvgate.log",
+            settings={"log_level": "debug", "log_format": "json", "first_byte_timeout_s": 0.5},
+        ) as kvgate:
+            url = kvgate.url
+            admin_headers = kvgate.admin_headers()
+            assert collect(httpx.post(f"{url}/v1/completions", json=PLAIN, timeout=10)).status_code == 200
+            state = collect(
+                httpx.get(f"{url}/admin/state", headers=admin_headers, timeout=5), admin_bodies
+            ).json()
+            assert state["backends"][0]["url"] == f"http://***@{address}"
+            assert state["settings"]["backend_url"] == f"http://***@{address}"
+            collect(httpx.get(f"{url}/dashboard", timeout=5))
+            # A backend that accepts and never answers: 504, plain and streamed.
+            set_faults(sim.url, hang=True)
+            assert collect(httpx.post(f"{url}/v1/completions", json=PLAIN, timeout=10)).status_code == 504
+            streamed = httpx.post(f"{url}/v1/completions", json={**PLAIN, "stream": True}, timeout=10)
+            assert collect(streamed).status_code == 504
+            clear_faults(sim.url)
+            # A backend that is gone: connections refused.
+            sim.kill()
+            statuses = {collect(httpx.post(f"{url}/v1/completions", json=PLAIN, timeout=10)).status_code}
+            statuses.add(collect(httpx.get(f"{url}/v1/models", timeout=10)).status_code)
+            poll_until(
+                lambda: collect(httpx.get(f"{url}/readyz", timeout=5)).status_code == 503, 10, "not ready"
+            )
+            statuses.add(collect(httpx.post(f"{url}/v1/completions", json=PLAIN, timeout=10)).status_code)
+            chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            statuses.add(collect(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=10)).status_code)
+            collect(httpx.get(f"{url}/admin/state", headers=admin_headers, timeout=5), admin_bodies)
+            assert statuses <= {502, 503}, statuses
+            assert 502 in statuses
+            log = kvgate.output()
+    finally:
+        sim.stop()
+    assert any(
+        "cannot connect to the backend" in body or "cannot reach the backend" in body for body in bodies
+    )
+    port = re.compile(rf"\b{sim.port}\b")
+    for text in bodies:
+        assert address not in text, text
+        assert not port.search(text), text
+        assert BACKEND_PASSWORD not in text, text
+        assert BACKEND_USER not in text, text
+    for text in admin_bodies:
+        assert BACKEND_PASSWORD not in text
+        assert BACKEND_USER not in text
+    assert BACKEND_PASSWORD not in log
+    assert f"{BACKEND_USER}:" not in log
+
+
+# -- the admin API and other sites -------------------------------------------------------------
+
+
+def test_a_page_of_another_site_cannot_reload_kvgate(sim: SimProcess, tmp_path: Path) -> None:
+    """No admin token on a loopback bind (the default): the admin API is open to this machine,
+    but what a page in a browser can send (a form, a simple fetch, a rebound host name) is
+    refused; a script or an operator's curl with X-Kvgate-Admin is served."""
+    with kvgate_process(sim.url, tmp_path / "kvgate.log", admin_token=None) as kvgate:
+        reload_url = f"{kvgate.url}/admin/reload"
+        own_origin = kvgate.url
+        form = {"content-type": "application/x-www-form-urlencoded"}
+
+        def reload(**headers: str) -> tuple[int, str | None]:
+            response = httpx.post(reload_url, content=b"a=1", headers={**form, **headers}, timeout=10)
+            code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
+            return response.status_code, code
+
+        # What a cross-site form or a no-cors fetch sends: no custom header.
+        assert reload() == (403, "admin_header_required")
+        assert reload(origin="https://evil.example") == (403, "cross_site")
+        assert reload(origin="null") == (403, "cross_site")
+        # A custom header forces a CORS preflight, which kvgate never grants; and should a
+        # browser send it anyway, its Origin or Fetch Metadata give it away.
+        intent = {"x-kvgate-admin": "1"}
+        assert reload(**intent, origin="https://evil.example") == (403, "cross_site")
+        assert reload(**intent, **{"sec-fetch-site": "cross-site"}) == (403, "cross_site")
+        assert reload(**intent, **{"sec-fetch-site": "same-site"}) == (403, "cross_site")
+        # DNS rebinding: the page's own name, now resolving to 127.0.0.1, is same-origin.
+        rebound = f"evil.example:{kvgate.port}"
+        assert reload(**intent, host=rebound, origin=f"http://{rebound}") == (403, "admin_host_not_loopback")
+        assert admin(kvgate.url, host=rebound) == 403
+        # kvgate's own pages, and clients that are not browsers.
+        assert reload(**intent) == (200, None)
+        assert reload(**intent, origin=own_origin, **{"sec-fetch-site": "same-origin"}) == (200, None)
+        assert reload(**intent, host=f"localhost:{kvgate.port}") == (200, None)
+        assert admin(kvgate.url, **{"sec-fetch-site": "same-origin"}) == 200
+        assert admin(kvgate.url, **{"sec-fetch-site": "cross-site"}) == 403
+
+
+def test_with_an_admin_token_other_sites_are_refused_too(sim: SimProcess, tmp_path: Path) -> None:
+    with kvgate_process(sim.url, tmp_path / "kvgate.log") as kvgate:
+        token = kvgate.admin_headers()
+        reload_url = f"{kvgate.url}/admin/reload"
+        assert httpx.post(reload_url, headers=token, timeout=10).status_code == 200
+        assert httpx.post(reload_url, timeout=10).status_code == 401
+        evil = httpx.post(reload_url, headers={**token, "origin": "https://evil.example"}, timeout=10)
+        assert (evil.status_code, evil.json()["error"]["code"]) == (403, "cross_site")
+        # With a token, the host name does not matter (the token is what a page cannot know).
+        assert admin(kvgate.url, host="kvgate.internal", **token) == 200

@@ -80,7 +80,7 @@ async def gateway_over_sim(sim_config: SimConfig | None = None, **overrides: Any
             gateway: BackendGateway = app.state.kvgate
             await wait_until(lambda: gateway.readiness()[0], READY_TIMEOUT_S, "the gateway to be ready")
             transport = httpx.ASGITransport(app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kvgate") as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
                 yield InProcess(app, client, sim_app)
 
 

@@ -9,6 +9,7 @@ import pytest
 from gateway.admission import Priority
 from gateway.client_hints import (
     NO_SERVICE_ESTIMATE,
+    PRIORITY_TOKEN_HEADER,
     ClientHints,
     HintError,
     QueueDeadlines,
@@ -16,13 +17,16 @@ from gateway.client_hints import (
     parse_hints,
     queue_deadlines,
 )
+from gateway.errors import PermissionDeniedError
 
 
 @pytest.mark.parametrize(
     ("headers", "streaming", "expected"),
     [
         ({}, False, ClientHints(Priority.NORMAL, None, None)),
-        ({"x-kvgate-priority": "HIGH "}, False, ClientHints(Priority.HIGH, None, None)),
+        # Raising priority takes the operator's token (see test_raising_priority_takes_the_token).
+        ({"x-kvgate-priority": "HIGH "}, False, ClientHints(Priority.NORMAL, None, None)),
+        ({"x-kvgate-priority": "low"}, False, ClientHints(Priority.LOW, None, None)),
         ({"x-kvgate-deadline-ms": "10000"}, True, ClientHints(Priority.NORMAL, 10.0, None)),
         ({"x-kvgate-ttft-ms": "2000.5"}, False, ClientHints(Priority.NORMAL, None, 2.0005)),
         # The SDK's read timeout bounds the whole answer, or the first chunk of a stream.
@@ -57,6 +61,64 @@ def test_malformed_headers_name_themselves(headers: dict[str, str], header: str)
     with pytest.raises(HintError) as error:
         parse_hints(headers, streaming=False)
     assert error.value.header == header
+
+
+TOKEN = "prio-token-5521"
+
+
+@pytest.mark.parametrize(
+    ("configured", "offered", "header", "expected"),
+    [
+        # Off (no token configured): nobody raises; a token sent to it is no token at all.
+        (None, None, "high", Priority.NORMAL),
+        (None, TOKEN, "high", Priority.NORMAL),
+        (None, None, "low", Priority.LOW),
+        # A token configured: only its holders raise; anyone lowers.
+        (TOKEN, None, "high", Priority.NORMAL),
+        (TOKEN, TOKEN, "high", Priority.HIGH),
+        (TOKEN, f" {TOKEN} ", "high", Priority.HIGH),
+        (TOKEN, None, "low", Priority.LOW),
+        (TOKEN, TOKEN, "normal", Priority.NORMAL),
+    ],
+)
+def test_raising_priority_takes_the_token(
+    configured: str | None, offered: str | None, header: str, expected: Priority
+) -> None:
+    headers = {"x-kvgate-priority": header}
+    if offered is not None:
+        headers[PRIORITY_TOKEN_HEADER] = offered
+    assert parse_hints(headers, streaming=False, priority_token=configured).priority is expected
+
+
+@pytest.mark.parametrize("offered", ["", "wrong", TOKEN[:-1], TOKEN + "x", TOKEN.upper()])
+def test_a_wrong_priority_token_is_refused(offered: str) -> None:
+    with pytest.raises(PermissionDeniedError) as error:
+        parse_hints({PRIORITY_TOKEN_HEADER: offered}, streaming=False, priority_token=TOKEN)
+    assert (error.value.status, error.value.code) == (403, "invalid_priority_token")
+    assert TOKEN not in error.value.message
+
+
+# vLLM reads `priority` as a lax int: numbers, integral floats and numeric strings.
+RAISED = [-1, -1.0, -(2**63), -math.inf, "-1", " -5", "-0x1"]
+NOT_RAISED = [0, 1, 10**6, 0.0, 2.5, True, False, "3", "", "high", [], {}, None, math.nan]
+
+
+@pytest.mark.parametrize("value", RAISED, ids=repr)
+def test_a_raised_vllm_priority_takes_the_token(value: object) -> None:
+    with pytest.raises(PermissionDeniedError) as error:
+        parse_hints({}, streaming=False, body_priority=value)
+    assert (error.value.param, error.value.code) == ("priority", "priority_not_allowed")
+    with pytest.raises(PermissionDeniedError):
+        parse_hints({}, streaming=False, priority_token=TOKEN, body_priority=value)
+    held = parse_hints(
+        {PRIORITY_TOKEN_HEADER: TOKEN}, streaming=False, priority_token=TOKEN, body_priority=value
+    )
+    assert held.priority is Priority.NORMAL
+
+
+@pytest.mark.parametrize("value", NOT_RAISED, ids=repr)
+def test_other_vllm_priorities_pass_for_anyone(value: object) -> None:
+    assert parse_hints({}, streaming=False, body_priority=value).priority is Priority.NORMAL
 
 
 INF = math.inf

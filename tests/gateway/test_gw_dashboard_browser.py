@@ -65,6 +65,8 @@ WAIT_S = 45.0
 
 CLIENTS = 12
 PRIORITIES = ("high", "normal", "low")
+# Raising priority to high takes the priority token (see gateway.client_hints).
+PRIORITY_TOKEN = "dashboard-priority-token"
 PROMPT = "word " * 150
 MAX_TOKENS = 64
 LOAD_LIMIT_S = 120.0
@@ -130,7 +132,11 @@ class Load:
         n = 0
         while not self._stop.is_set() and time.monotonic() < deadline:
             n += 1
-            headers = {"x-kvgate-priority": PRIORITIES[index % 3], "x-request-id": f"load-{index}-{n}"}
+            headers = {
+                "x-kvgate-priority": PRIORITIES[index % 3],
+                "x-kvgate-priority-token": PRIORITY_TOKEN,
+                "x-request-id": f"load-{index}-{n}",
+            }
             if n % 5 == 0:
                 headers["x-kvgate-deadline-ms"] = "300"
             body = {"model": self._model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": n % 2 == 0}
@@ -218,7 +224,13 @@ def test_dashboard_shows_live_numbers_under_load(browser: WebDriver) -> None:
     with contextlib.ExitStack() as stack:
         sim_url = stack.enter_context(running_sim(sim_config))
         served = stack.enter_context(
-            served_gateway(sim_url, admin_token=ADMIN_TOKEN, queue_max_low=2, recent_requests=50)
+            served_gateway(
+                sim_url,
+                admin_token=ADMIN_TOKEN,
+                priority_token=PRIORITY_TOKEN,
+                queue_max_low=2,
+                recent_requests=50,
+            )
         )
         admin = {"x-kvgate-admin-token": ADMIN_TOKEN}
 

@@ -19,6 +19,7 @@ PURE_GATEWAY_MODULES = (
     "gateway.admission",
     "gateway.capacity",
     "gateway.client_hints",
+    "gateway.credentials",
     "gateway.errors",
     "gateway.ledger",
     "gateway.outcomes",

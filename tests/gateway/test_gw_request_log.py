@@ -196,6 +196,9 @@ async def recording_backend(sim_config: SimConfig | None = None) -> AsyncIterato
         yield recorder, seen
 
 
+PRIORITY_TOKEN = "prio-7781-secret"
+
+
 async def test_the_json_request_line_has_the_fields_and_no_secrets(
     caplog_info: pytest.LogCaptureFixture,
 ) -> None:
@@ -204,18 +207,26 @@ async def test_the_json_request_line_has_the_fields_and_no_secrets(
         httpx.AsyncClient(transport=httpx.ASGITransport(backend)) as backend_client,
     ):
         settings = Settings(
-            backend_url="http://sim", backend_api_key=BACKEND_KEY, admin_token="adm1n", **TEST_SETTINGS
+            backend_url="http://sim",
+            backend_api_key=BACKEND_KEY,
+            admin_token="adm1n",
+            priority_token=PRIORITY_TOKEN,
+            **TEST_SETTINGS,
         )
         app = create_app(settings, http_client=backend_client, token_counter=TokenCounter.approximate())
         async with app.router.lifespan_context(app):
             gateway: BackendGateway = app.state.kvgate
             await wait_until(lambda: gateway.readiness()[0], 10, "ready")
             transport = httpx.ASGITransport(app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kvgate") as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
                 response = await client.post(
                     "/v1/completions",
                     json=completion(),
-                    headers={"authorization": f"Bearer {CLIENT_KEY}", "x-kvgate-priority": "high"},
+                    headers={
+                        "authorization": f"Bearer {CLIENT_KEY}",
+                        "x-kvgate-priority": "high",
+                        "x-kvgate-priority-token": PRIORITY_TOKEN,
+                    },
                 )
                 assert response.status_code == 200
                 streamed = await client.post(
@@ -228,6 +239,9 @@ async def test_the_json_request_line_has_the_fields_and_no_secrets(
     # The same id went upstream, where vLLM logs under it.
     upstream = [entry for entry in seen if entry["path"] == "/v1/completions"]
     assert [entry["headers"][b"x-request-id"].decode() for entry in upstream] == [request_id, "s-1"]
+    # The priority token stays at kvgate's edge, as every x-kvgate-* header does.
+    assert all(b"x-kvgate-priority-token" not in entry["headers"] for entry in upstream)
+    assert all(PRIORITY_TOKEN.encode() not in b"".join(entry["headers"].values()) for entry in upstream)
 
     records = request_lines(caplog_info)
     assert len(records) == 2  # one per generation request, none for /admin/state
@@ -259,7 +273,15 @@ async def test_the_json_request_line_has_the_fields_and_no_secrets(
 
     for record in records:
         for line in (JsonFormatter().format(record), TextFormatter().format(record)):
-            for secret in (SECRET_PROMPT, "violet", CLIENT_KEY, BACKEND_KEY, "adm1n", "Bearer"):
+            for secret in (
+                SECRET_PROMPT,
+                "violet",
+                CLIENT_KEY,
+                BACKEND_KEY,
+                "adm1n",
+                "Bearer",
+                PRIORITY_TOKEN,
+            ):
                 assert secret not in line
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -110,3 +111,39 @@ def test_kvgate_serve_process_answers_and_stops_on_sigterm(tmp_path: Path) -> No
             assert process.wait(timeout=30) == 0
             if process.stdout:
                 process.stdout.close()
+
+
+DESCRIPTOR_PROBE = """
+import resource, sys
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from gateway.lifecycle import client_connection_limit
+from gateway.settings import Settings
+limit = client_connection_limit(Settings(backend_url="http://127.0.0.1:9", max_connections=50))
+print(limit, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "expected"),
+    [
+        # The soft limit is raised to fit 4,096 client + 50 backend connections + headroom.
+        (256, 8192, (4096, 4096 + 50 + 64)),
+        # Even the hard limit is too low: the bound on client connections comes down instead.
+        (256, 1024, (1024 - 50 - 64, 1024)),
+    ],
+)
+def test_client_connections_are_bounded_below_the_descriptor_limit(
+    soft: int, hard: int, expected: tuple[int, int]
+) -> None:
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip(f"this process may not raise its descriptor limit to {hard}")
+    result = subprocess.run(
+        [sys.executable, "-c", DESCRIPTOR_PROBE, str(soft), str(hard)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+        timeout=60,
+    )
+    assert tuple(int(v) for v in result.stdout.split()) == expected

@@ -395,6 +395,9 @@ def test_client_leaving_mid_stream_frees_vllm_blocks(kvgate: Served, vllm_url: s
         time.sleep(0.05)
 
 
+PRIORITY_TOKEN = "vllm-tier-priority-token"
+
+
 def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
     wait_vllm_idle(vllm_url)
     with (
@@ -404,6 +407,7 @@ def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
             queue_max_normal=0,
             retry_after_min_s=0.2,
             output_backend_prior=False,  # the caps below are the reservations: see there
+            priority_token=PRIORITY_TOKEN,
         ) as kvgate,
         openai.OpenAI(base_url=f"{kvgate.url}/v1", api_key="unused", max_retries=20, timeout=60) as client,
         ThreadPoolExecutor(2) as pool,
@@ -428,7 +432,7 @@ def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
             httpx.post,
             f"{kvgate.url}/v1/completions",
             json=body,
-            headers={"x-kvgate-priority": "high"},
+            headers={"x-kvgate-priority": "high", "x-kvgate-priority-token": PRIORITY_TOKEN},
             timeout=120,
         )
         kvgate.wait_until(
