@@ -165,9 +165,9 @@ def _event_end(buffer: bytearray) -> tuple[int, int]:
     return (lf, 2) if lf >= 0 else (-1, 0)
 
 
-# `"usage":{` as a key opening an object, in compact or spaced JSON. Inside a JSON string the
-# quotes would be escaped (\"usage\"), and a string value "usage" is not followed by a colon.
-_USAGE_KEY = re.compile(rb'"usage"\s{0,8}:\s{0,8}\{')
+# `"usage":` as a key, in compact or spaced JSON. Inside a JSON string the quotes would be
+# escaped (\"usage\"), and a string value "usage" is not followed by a colon.
+_USAGE_KEY = re.compile(rb'"usage"\s{0,8}:')
 # Bytes kept from the previous chunk, so that a key cut in two by the chunking is still found.
 _USAGE_KEY_OVERLAP = 32
 # Bytes kept from the start of the last usage object: vLLM's, with its details, is a few
@@ -176,7 +176,7 @@ USAGE_CAPTURE_BYTES = 4096
 
 
 def _last_usage_key(data: bytes) -> int:
-    """Where the last `"usage": {` key in `data` begins, or -1."""
+    """Where the last `"usage":` key in `data` begins, or -1."""
     position = data.rfind(b'"usage"')
     while position >= 0:
         if _USAGE_KEY.match(data, position):
@@ -190,7 +190,7 @@ class BodyUsage:
 
     vLLM writes `usage` after the choices, and in a chat answer before `prompt_logprobs` and
     `prompt_token_ids`, which can be far longer: so not from a tail but from the last
-    `"usage": {` key seen anywhere, capturing at most USAGE_CAPTURE_BYTES from it and parsing
+    `"usage":` key seen anywhere, capturing at most USAGE_CAPTURE_BYTES from it and parsing
     only that object (`result`). Memory: the capture plus a few dozen bytes of overlap.
     Not thread-safe (one answer, one task).
     """
@@ -229,9 +229,9 @@ class BodyUsage:
         if self._capture is None:
             return None
         captured = bytes(self._capture)
-        opening = captured.index(b"{")
+        text = captured[captured.index(b":") + 1 :].decode("utf-8", "replace").lstrip()
         try:
-            value, _ = json.JSONDecoder().raw_decode(captured[opening:].decode("utf-8", "replace"))
+            value, _ = json.JSONDecoder().raw_decode(text)
         except (ValueError, RecursionError):
-            return Usage(None, None, "usage does not parse as a JSON object")
+            return Usage(None, None, "usage does not parse as JSON")
         return usage_of(value)

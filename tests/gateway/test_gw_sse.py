@@ -128,7 +128,7 @@ def test_body_usage_keeps_a_bounded_capture() -> None:
     assert len(scanner._capture or b"") <= USAGE_CAPTURE_BYTES
     result = scanner.result()
     assert result is not None
-    assert result.invalid == "usage does not parse as a JSON object"
+    assert result.invalid == "usage does not parse as JSON"
 
 
 @pytest.mark.parametrize(
@@ -159,8 +159,8 @@ def test_usage_that_is_no_count_is_invalid(usage: Any, problem: str) -> None:
 def test_usage_that_is_no_object() -> None:
     found = _streamed_usage([1, 2])
     assert found == Usage(None, None, "usage is list, not an object")
-    # In a plain answer only `"usage": {` is looked for: a list there is no usage at all.
-    assert body_usage(b'{"usage": [1, 2]}') is None
+    assert body_usage(b'{"usage": [1, 2]}') == found
+    assert body_usage(b'{"usage": null}') is None
 
 
 def _streamed_usage(usage: Any) -> Usage | None:
