@@ -24,6 +24,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ from faultkit import (
     sim_state,
 )
 
+from estimator.tokens import TokenCounter
 from gateway.proxy import PLAIN_HOLD_BYTES
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
@@ -362,6 +364,40 @@ def test_a_plain_answer_broken_off_early_is_still_a_clean_502() -> None:
         assert response.status_code == 502
         assert response.json()["error"]["code"] == "upstream_failed"
         kvgate.wait_until(gateway_idle, what="the ledger to balance")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # Four prompts echoed with 20 logprobs per token: about 2.6 MB.
+        ("/v1/completions", {"prompt": ["word " * 300] * 4, "max_tokens": 8, "echo": True, "logprobs": 20}),
+        # vLLM writes a chat answer's usage before its prompt_logprobs: about 1 MB after it.
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "word " * 600}],
+                "max_tokens": 8,
+                "prompt_logprobs": 20,
+            },
+        ),
+    ],
+    ids=["echo-logprobs", "chat-prompt-logprobs"],
+)
+def test_vllm_answers_of_megabytes_are_relayed_whole_and_their_usage_learned(
+    vllm_url: str, tiny_model_dir: Path, path: str, body: dict[str, Any]
+) -> None:
+    counter = TokenCounter.from_pretrained(str(tiny_model_dir), max_model_len=1024)
+    with served_gateway(vllm_url, counter=counter) as kvgate, captured_logs() as logs:
+        response = httpx.post(f"{kvgate.url}{path}", json={"model": "tiny-llama", **body}, timeout=120)
+        assert response.status_code == 200, response.text[:300]
+        kvgate.wait_until(gateway_idle, what="the ledger to balance")
+        [line] = logs.requests()
+    assert len(response.content) > 2 * PLAIN_HOLD_BYTES  # relayed as it came, not held whole
+    usage = response.json()["usage"]  # the answer is whole: it parses
+    assert (line["outcome"], line["code"]) == ("completed", None)
+    assert line["completion_tokens"] == usage["completion_tokens"]
+    assert line["prompt_tokens"] == usage["prompt_tokens"]  # kvgate's own count, exact
 
 
 GARBAGE_USAGE: list[Any] = [
