@@ -222,21 +222,16 @@ class Reservation:
         served = info.find(self.prepared.model) if info is not None and self.prepared.model else None
         context = served.max_model_len if served is not None else None
         usage = result.usage
-        if usage is not None:
-            if usage.invalid is not None:
-                return usage.invalid
-            if context is not None:
-                if (
-                    usage.prompt_tokens is not None
-                    and usage.prompt_tokens > len(demand.prompt_tokens) * context
-                ):
-                    return f"prompt_tokens {usage.prompt_tokens} for {len(demand.prompt_tokens)} prompt(s) of at most {context}"
-                if (
-                    usage.completion_tokens is not None
-                    and usage.completion_tokens > demand.sequences * context
-                ):
-                    return f"completion_tokens {usage.completion_tokens} for {demand.sequences} sequence(s) of at most {context}"
-        if context is not None and any(tokens > context for tokens in result.tokens_by_choice.values()):
+        if usage is not None and usage.invalid is not None:
+            return usage.invalid
+        if context is None:
+            return None
+        prompts, sequences = len(demand.prompt_tokens), demand.sequences
+        if usage is not None and (usage.prompt_tokens or 0) > prompts * context:
+            return f"prompt_tokens {usage.prompt_tokens} for {prompts} prompt(s) of {context} at most"
+        if usage is not None and (usage.completion_tokens or 0) > sequences * context:
+            return f"completion_tokens {usage.completion_tokens} for {sequences} sequence(s) of {context} at most"
+        if any(tokens > context for tokens in result.tokens_by_choice.values()):
             return f"a streamed choice counted over {context} tokens"
         return None
 
