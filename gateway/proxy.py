@@ -149,8 +149,9 @@ class RelayResult:
     backend_failed: bool = False
     # Why it ended as it did, when the outcome alone does not say (e.g. client_write_timeout).
     code: str | None = None
-    # Seconds the relay spent in writes to the client (blocked by the client's flow control, or
-    # passing bytes on), in all and before the first byte from the backend.
+    # Seconds the relay spent in writes to the client that waited for it (the server's flow
+    # control holding them while the client's window is full), in all and before the first
+    # byte from the backend.
     client_wait_s: float = 0.0
     client_wait_before_first_byte_s: float = 0.0
     # False when the observer found the token counts unusable (see Reservation.on_finish).
@@ -211,6 +212,7 @@ class RelayResponse(Response):
         self._ending: _Ending | None = None
         self._sending_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._yielded = False
 
     def _now(self) -> float:
         return self._clock()
@@ -270,13 +272,24 @@ class RelayResponse(Response):
             # One timer per relay at a time, re-armed only while a write is pending: the cost
             # of a timer per chunk would show on the proxy's overhead.
             self._watchdog = loop.call_at(started + self._timeouts.client_write_s, self._check_write)
+        # Runs only if `send` gives the loop a turn, i.e. waits for the client (flow control):
+        # the time of a send that never yields (its bytes went straight to the transport, or
+        # another thread held the GIL meanwhile) is not the client's.
+        self._yielded = False
+        probe = loop.call_soon(self._mark_yielded)
         try:
             await send(message)
         except OSError as exc:  # a server that reports the client gone instead of dropping
             raise _ClientGoneError() from exc
         finally:
             self._sending_since = None
-            self._result.client_wait_s += loop.time() - started
+            if self._yielded:
+                self._result.client_wait_s += loop.time() - started
+            else:
+                probe.cancel()
+
+    def _mark_yielded(self) -> None:
+        self._yielded = True
 
     def _check_write(self) -> None:
         self._watchdog = None

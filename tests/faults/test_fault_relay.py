@@ -346,7 +346,7 @@ def test_a_huge_answer_broken_off_is_truncated_for_the_client() -> None:
             "POST", f"{kvgate.url}/v1/completions", json={"prompt": "x"}, timeout=30
         ) as response:
             assert response.status_code == 200
-            with pytest.raises(httpx.RemoteProtocolError):  # the body ended before its length
+            with pytest.raises(httpx.TransportError):  # the body ended before its length (or reset)
                 lengths.extend(len(chunk) for chunk in response.iter_raw())
         received = sum(lengths)
         assert 4 * PLAIN_HOLD_BYTES <= received < HUGE_LENGTH
