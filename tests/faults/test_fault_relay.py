@@ -6,7 +6,9 @@
   the backend's pace.
 - A backend that sends a plain answer of 200+ MB slowly: relayed as it comes with kvgate's
   memory bounded by a small multiple of its read buffer, every byte delivered, usage learned;
-  broken off after bytes went out, the client sees a truncated answer.
+  broken off after bytes went out, the client sees a truncated answer. And the real testbed's
+  answers of megabytes (echo with logprobs, chat with prompt_logprobs after its usage): whole,
+  and their usage learned as vLLM counted it.
 - A backend that reports negative, mistyped, huge or absurd usage: the answer is relayed as it
   is, the request completes with a request line that says so, nothing learns from the counts.
 - A client that disconnects in the middle of its request body: a clean outcome (client gone,
