@@ -22,6 +22,9 @@ from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog
 
 # Smoothing of the service-time estimates netted out of client deadlines.
 SERVICE_TIME_EWMA_ALPHA = 0.1
+# A stream whose relay spent more than this share of its time blocked writing to its client
+# was paced by the client, not the backend (see BackendPace.observe_stream).
+CLIENT_PACED_SHARE = 0.1
 
 
 class BackendPace:
@@ -76,16 +79,34 @@ class BackendPace:
             self.saturated_drain.add(freed_blocks, saturated_s)
 
     def observe_stream(
-        self, admitted_at: float, first_byte_at: float, finished_at: float, output_tokens: int
+        self,
+        admitted_at: float,
+        first_byte_at: float,
+        finished_at: float,
+        output_tokens: int,
+        *,
+        wait_before_first_byte_s: float = 0.0,
+        wait_after_first_byte_s: float = 0.0,
     ) -> None:
         """Learn the service times from a streamed answer whose longest sequence ran to
         `output_tokens`: the first token's delay after admission, and the time per token after
-        it."""
+        it.
+
+        The `wait_*` arguments are the seconds the relay spent blocked writing to the client
+        before and after the first byte: the client's time, not the backend's, so they are
+        taken off. An answer whose relay was blocked for over CLIENT_PACED_SHARE of its
+        streaming time was paced by its client (the backend then runs ahead into buffers, so
+        taking the wait off would not give its pace back): its time per token is not learned."""
         if output_tokens <= 0:
             return
-        self.first_token_after_admit.add(first_byte_at - admitted_at)
+        self.first_token_after_admit.add(max(0.0, first_byte_at - admitted_at - wait_before_first_byte_s))
         if output_tokens > 1:
-            self.seconds_per_output_token.add((finished_at - first_byte_at) / (output_tokens - 1))
+            streaming_s = finished_at - first_byte_at
+            if wait_after_first_byte_s > CLIENT_PACED_SHARE * streaming_s:
+                return
+            self.seconds_per_output_token.add(
+                max(0.0, streaming_s - wait_after_first_byte_s) / (output_tokens - 1)
+            )
 
     def observe_whole(self, admitted_at: float, finished_at: float, output_tokens: int) -> None:
         """Learn the time per token from an answer sent whole: its first token came with its
@@ -183,4 +204,4 @@ def _round(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
-__all__ = ["SERVICE_TIME_EWMA_ALPHA", "BackendPace"]
+__all__ = ["CLIENT_PACED_SHARE", "SERVICE_TIME_EWMA_ALPHA", "BackendPace"]

@@ -2,27 +2,40 @@
 
 `RelayResponse` is the ASGI response of an admitted request. It owns the upstream exchange
 from connect to close: it sends the request to the backend, relays the backend's status,
-headers (minus hop-by-hop ones) and body bytes exactly as they come, counts streamed tokens
-on a copy (`gateway.sse`) to grow the ledger, and in one `finally` closes the upstream and
-reports the outcome exactly once through `RelayObserver.on_finish`:
+headers (minus hop-by-hop ones) and body bytes as they come, counts streamed tokens on a copy
+(`gateway.sse`) to grow the ledger, and in one `finally` closes the upstream and reports the
+outcome exactly once through `RelayObserver.on_finish`:
 
 - finished: the backend's answer was relayed to its end;
 - client gone: a task watches the client's side of the connection (`http.disconnect`) and
-  cancels the relay; closing the upstream response makes vLLM abort the request and free its
-  blocks;
-- upstream failed: connect error (502), timeout (504), or a broken stream (an SSE `error` event,
-  then end of stream, since the status line has already gone out).
+  cancels the relay; so does a write to the client that stays blocked for the client write
+  timeout (a client that stopped reading: the server's flow control holds `send` while the
+  client's TCP window is full). Closing the upstream response makes vLLM abort the request and
+  free its blocks;
+- upstream failed: connect error (502), timeout (504), or a broken answer. Once bytes have gone
+  out the status line cannot change: a stream ends with an SSE `error` event; a plain answer
+  ends without its last bytes (the relay returns without completing the response, so the server
+  closes the connection and the client sees a truncated answer, never a spliced one).
+
+A plain answer (JSON, an error) is held until it is complete or PLAIN_HOLD_BYTES long, so that a
+failure before then is still a clean 502/504; past that it is relayed as it comes, and its usage
+is found on the way (`gateway.sse.BodyUsage`): an answer of hundreds of MB (echo, logprobs, many
+prompts) costs the relay a bounded amount of memory and no parse of the whole.
+
+The relay measures how long it was blocked writing to the client (`RelayResult.client_wait_s`):
+that time is the client's, not the backend's, and the backend's measured pace must not count it.
 
 Timeouts are explicit: connect, pool and write (the `Upstream`'s own, see `gateway.upstream`),
 first byte (from sending until the first body bytes: for a non-streaming answer that is the
-whole generation), and between chunks.
+whole generation), between chunks, and the write to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,8 +44,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, InvalidRequestError, UpstreamError, UpstreamTimeoutError, to_http
 from gateway.outcomes import Outcome
-from gateway.sse import StreamTally, Usage, body_usage
-from gateway.upstream import Upstream, UpstreamRequest, UpstreamResponse
+from gateway.sse import BodyUsage, StreamTally, Usage
+from gateway.upstream import READ_HIGH_WATER_BYTES, Upstream, UpstreamRequest, UpstreamResponse
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset(
@@ -57,6 +70,12 @@ _RESPONSE_DROP = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | {"dat
 _KVGATE_PREFIX = b"x-kvgate-"
 # Relayed bytes are counted as they pass: they must not be compressed.
 _IDENTITY_ENCODING = (b"accept-encoding", b"identity")
+# A plain answer up to this size is sent whole once complete (a failure before its end is still
+# a clean 502/504); a longer one is relayed as it comes. About what the upstream connection
+# buffers for one response anyway: typical answers (a few KiB) are never split.
+PLAIN_HOLD_BYTES = READ_HIGH_WATER_BYTES
+# The `code` of a request whose client stopped reading (its request log line shows it).
+CLIENT_WRITE_TIMEOUT_CODE = "client_write_timeout"
 
 
 def _connection_tokens(pairs: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -110,6 +129,8 @@ def _header(pairs: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
 class RelayTimeouts:
     first_byte_s: float
     between_chunks_s: float
+    # One write to the client blocked this long (it stopped reading) ends the relay.
+    client_write_s: float
 
 
 @dataclass(slots=True)
@@ -126,6 +147,15 @@ class RelayResult:
     # The connection to the backend failed (refused, closed or reset mid-response, garbled): a
     # sign that the backend itself may be gone, unlike a timeout or an HTTP error status.
     backend_failed: bool = False
+    # Why it ended as it did, when the outcome alone does not say (e.g. client_write_timeout).
+    code: str | None = None
+    # Seconds the relay spent in writes to the client that waited for it (the server's flow
+    # control holding them while the client's window is full), in all and before the first
+    # byte from the backend.
+    client_wait_s: float = 0.0
+    client_wait_before_first_byte_s: float = 0.0
+    # False when the observer found the token counts unusable (see Reservation.on_finish).
+    counts_trusted: bool = True
 
 
 class RelayObserver(Protocol):
@@ -144,8 +174,17 @@ class _ClientGoneError(Exception):
     pass
 
 
+class _Ending(enum.Enum):
+    """Why the relay's own task was cancelled."""
+
+    GONE = "gone"  # the client disconnected
+    STALLED = "stalled"  # a write to the client stayed blocked for the client write timeout
+
+
 class RelayResponse(Response):
     """ASGI response that forwards one request upstream. See the module docstring."""
+
+    _loop: asyncio.AbstractEventLoop  # the loop it runs on, set when called
 
     def __init__(
         self,
@@ -168,6 +207,12 @@ class RelayResponse(Response):
         self._clock = clock
         self._result = RelayResult()
         self._upstream: UpstreamResponse | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._done = False
+        self._ending: _Ending | None = None
+        self._sending_since: float | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._yielded = False
 
     def _now(self) -> float:
         return self._clock()
@@ -175,15 +220,14 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        state = {"gone": False, "done": False}
+        self._task = task
+        self._loop = asyncio.get_running_loop()
 
         async def watch_client() -> None:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    if not state["done"]:
-                        state["gone"] = True
-                        task.cancel()
+                    self._end(_Ending.GONE)
                     return
 
         watcher = asyncio.create_task(watch_client())
@@ -193,14 +237,19 @@ class RelayResponse(Response):
                 outcome = await self._relay(send)
             except asyncio.CancelledError:
                 outcome = Outcome.CLIENT_GONE
-                if not state["gone"]:
+                if self._ending is None:
                     raise  # cancelled from outside (shutdown, test harness): let it propagate
                 task.uncancel()
+                if self._ending is _Ending.STALLED:
+                    self._result.code = CLIENT_WRITE_TIMEOUT_CODE
+                    self._result.error = f"the client read nothing for {self._timeouts.client_write_s:g} s"
             except _ClientGoneError:
                 outcome = Outcome.CLIENT_GONE
             finally:
-                state["done"] = True
+                self._done = True
                 watcher.cancel()
+                if self._watchdog is not None:
+                    self._watchdog.cancel()
         finally:
             try:
                 if self._upstream is not None:
@@ -209,11 +258,49 @@ class RelayResponse(Response):
             finally:
                 self._observer.on_finish(outcome, self._result, self._now())
 
+    def _end(self, why: _Ending) -> None:
+        """Cancel the relay for `why`, unless it is over or already ending."""
+        if not self._done and self._ending is None and self._task is not None:
+            self._ending = why
+            self._task.cancel()
+
     async def _send(self, send: Send, message: dict[str, object]) -> None:
+        loop = self._loop
+        started = loop.time()
+        self._sending_since = started
+        if self._watchdog is None:
+            # One timer per relay at a time, re-armed only while a write is pending: the cost
+            # of a timer per chunk would show on the proxy's overhead.
+            self._watchdog = loop.call_at(started + self._timeouts.client_write_s, self._check_write)
+        # Runs only if `send` gives the loop a turn, i.e. waits for the client (flow control):
+        # the time of a send that never yields (its bytes went straight to the transport, or
+        # another thread held the GIL meanwhile) is not the client's.
+        self._yielded = False
+        probe = loop.call_soon(self._mark_yielded)
         try:
             await send(message)
         except OSError as exc:  # a server that reports the client gone instead of dropping
             raise _ClientGoneError() from exc
+        finally:
+            self._sending_since = None
+            if self._yielded:
+                self._result.client_wait_s += loop.time() - started
+            else:
+                probe.cancel()
+
+    def _mark_yielded(self) -> None:
+        self._yielded = True
+
+    def _check_write(self) -> None:
+        self._watchdog = None
+        since = self._sending_since
+        if since is None or self._done:
+            return  # no write pending: the next one arms the timer again
+        due = since + self._timeouts.client_write_s
+        if self._loop.time() >= due:
+            self._end(_Ending.STALLED)
+        else:
+            self._watchdog = self._loop.call_at(due, self._check_write)
 
     async def _send_error(self, send: Send, error: GatewayError) -> None:
         http = to_http(error)
@@ -251,35 +338,7 @@ class RelayResponse(Response):
             return await upstream.receive(deadline) or None
 
         if not content_type.startswith(b"text/event-stream"):
-            # A plain answer (JSON, an error): read it whole first, so a failure on the way can
-            # still become a clean 502/504; these bodies are small.
-            parts: list[bytes] = []
-            try:
-                chunk = await next_chunk(first_byte_deadline)
-                if chunk is not None:
-                    self._result.first_byte_at = self._now()
-                    self._observer.on_first_byte(self._result.first_byte_at)
-                while chunk is not None:
-                    parts.append(chunk)
-                    chunk = await next_chunk(None)
-            except (TimeoutError, UpstreamTimeoutError):
-                await self._send_error(send, UpstreamTimeoutError("the backend stopped answering"))
-                return Outcome.UPSTREAM_ERROR
-            except UpstreamError as exc:
-                self._result.backend_failed = True
-                await self._send_error(
-                    send, UpstreamError(f"the backend broke off its answer: {exc.message}")
-                )
-                return Outcome.UPSTREAM_ERROR
-            await self._send(
-                send, {"type": "http.response.start", "status": upstream.status, "headers": headers}
-            )
-            answer = b"".join(parts)
-            await self._send(send, {"type": "http.response.body", "body": answer, "more_body": False})
-            # Read only to learn from: after the client has its answer.
-            if 200 <= upstream.status < 300:
-                self._result.usage, self._result.choices = body_usage(answer)
-            return _status_outcome(upstream.status)
+            return await self._relay_plain(send, upstream, headers, next_chunk, first_byte_deadline)
 
         self._result.streamed = True
         tally = StreamTally()
@@ -292,8 +351,7 @@ class RelayResponse(Response):
                     break
                 if deadline is not None:
                     deadline = None
-                    self._result.first_byte_at = self._now()
-                    self._observer.on_first_byte(self._result.first_byte_at)
+                    self._first_byte()
                 for choice, tokens in tally.feed(chunk):
                     self._observer.on_tokens(choice, tokens)
                 await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
@@ -313,6 +371,69 @@ class RelayResponse(Response):
         self._finish_tally(tally)
         if tally.error:
             return Outcome.UPSTREAM_ERROR
+        return _status_outcome(upstream.status)
+
+    def _first_byte(self) -> None:
+        self._result.first_byte_at = self._now()
+        self._result.client_wait_before_first_byte_s = self._result.client_wait_s
+        self._observer.on_first_byte(self._result.first_byte_at)
+
+    async def _relay_plain(
+        self,
+        send: Send,
+        upstream: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        next_chunk: Callable[[float | None], Awaitable[bytes | None]],
+        first_byte_deadline: float,
+    ) -> Outcome:
+        """Relay a plain answer: held while short (see PLAIN_HOLD_BYTES), then as it comes."""
+        usage = BodyUsage()
+        held: list[bytes] = []
+        held_bytes = 0
+        try:
+            chunk = await next_chunk(first_byte_deadline)
+            if chunk is not None:
+                self._first_byte()
+            while chunk is not None:
+                usage.feed(chunk)
+                held.append(chunk)
+                held_bytes += len(chunk)
+                if held_bytes > PLAIN_HOLD_BYTES:
+                    break
+                chunk = await next_chunk(None)
+        except (TimeoutError, UpstreamTimeoutError):
+            await self._send_error(send, UpstreamTimeoutError("the backend stopped answering"))
+            return Outcome.UPSTREAM_ERROR
+        except UpstreamError as exc:
+            self._result.backend_failed = True
+            await self._send_error(send, UpstreamError(f"the backend broke off its answer: {exc.message}"))
+            return Outcome.UPSTREAM_ERROR
+        start = {"type": "http.response.start", "status": upstream.status, "headers": headers}
+        await self._send(send, start)
+        answer = b"".join(held)
+        held.clear()
+        if chunk is None:  # complete: in one write, as the backend's Content-Length says
+            await self._send(send, {"type": "http.response.body", "body": answer, "more_body": False})
+        else:
+            await self._send(send, {"type": "http.response.body", "body": answer, "more_body": True})
+            del answer
+            try:
+                while (chunk := await next_chunk(None)) is not None:
+                    usage.feed(chunk)
+                    await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            except (TimeoutError, UpstreamError) as exc:
+                if isinstance(exc, UpstreamError) and not isinstance(exc, UpstreamTimeoutError):
+                    self._result.backend_failed = True
+                    self._result.error = f"the backend broke off its answer: {exc.message}"
+                else:
+                    self._result.error = "the backend stopped answering"
+                self._result.code = "upstream_truncated"
+                # Not completed: the server closes the connection, the client sees it cut short.
+                return Outcome.UPSTREAM_ERROR
+            await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+        # Read only to learn from: after the client has its answer.
+        if 200 <= upstream.status < 300:
+            self._result.usage = usage.result()
         return _status_outcome(upstream.status)
 
     def _finish_tally(self, tally: StreamTally) -> None:

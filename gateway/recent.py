@@ -28,7 +28,8 @@ class RequestSummary:
     status: int | None  # the HTTP status the client was sent (499: it left before any)
     arrived_at: float
     finished_at: float
-    # The `code` of the error the client was sent: why it was shed or refused (None: no error).
+    # The `code` of the error the client was sent: why it was shed or refused; or, for a request
+    # that ended otherwise, what its line must say (client_write_timeout, backend_usage_invalid).
     code: str | None = None
     queue_s: float = 0.0
     # What the queue predicted it would wait, for a request that had to (None otherwise).

@@ -40,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route as StarletteRoute
 from starlette.types import Receive, Scope, Send
 
@@ -65,6 +66,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import ADMIN_ERRORS, BACKEND_ERRORS, ErrorBody, install_openapi
 from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome
 from gateway.process_stats import process_stats
+from gateway.recent import RequestSummary
 from gateway.request_id import RequestIdMiddleware, request_id_of
 from gateway.service import BackendGateway, ClientGoneError
 from gateway.settings import Settings, is_loopback
@@ -83,15 +85,28 @@ def _gateway(request: Request) -> BackendGateway:
     return gateway
 
 
+class ClientLeftError(Exception):
+    """The client closed its connection before its request body was complete."""
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (BodyTooLargeError beyond). Raises
+    ClientLeftError when the client disconnects mid-body: nothing has been reserved then, and
+    nobody is left to answer.
+
+    Receipt is this one loop over the body's chunks: a limit on how long a body may take to
+    arrive belongs around it, raising a GatewayError (its answer goes out as any refusal's)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLargeError(f"the request body is larger than {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLargeError(f"the request body is larger than {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BodyTooLargeError(f"the request body is larger than {limit} bytes")
+    except ClientDisconnect as exc:
+        raise ClientLeftError() from exc
     return bytes(body)
 
 
@@ -128,6 +143,21 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
     except GatewayError as exc:
         gateway.refused_early(request_id, route, exc, arrived_at)
         return error_response(exc)
+    except ClientLeftError:
+        # A clean end, not a fault of kvgate's: one request line, nothing reserved.
+        gateway.conclude(
+            RequestSummary(
+                request_id,
+                gateway.name,
+                route.value,
+                Outcome.CLIENT_GONE,
+                CLIENT_CLOSED_STATUS,
+                arrived_at,
+                gateway.clock(),
+                code="client_left_mid_body",
+            )
+        )
+        return Response(status_code=CLIENT_CLOSED_STATUS)
     entered_at = gateway.clock()
     try:
         reservation = await gateway.admit(prepared, request.receive)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -89,6 +90,8 @@ log = logging.getLogger(__name__)
 
 # How often /v1/models is read again once known (a restarted vLLM may serve another limit).
 DISCOVERY_REFRESH_S = 30.0
+# The `code` in the request line of an answer whose token counts were unusable (not learned).
+USAGE_INVALID_CODE = "backend_usage_invalid"
 _REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode("latin-1")
 
 
@@ -111,6 +114,14 @@ def capacity_config(settings: Settings) -> CapacityConfig:
         decrease_cooldown_s=settings.aimd_decrease_cooldown_s,
         overcommit=settings.budget_overcommit,
         overcommit_room=settings.budget_overcommit_room,
+    )
+
+
+def relay_timeouts(settings: Settings) -> RelayTimeouts:
+    return RelayTimeouts(
+        settings.first_byte_timeout_s,
+        settings.between_chunk_timeout_s,
+        settings.client_write_timeout_s,
     )
 
 
@@ -195,7 +206,44 @@ class Reservation:
         self._gateway.ledger.grow(self.key, choice, tokens)
 
     def on_finish(self, outcome: Outcome, result: RelayResult, now: float) -> None:
+        problem = self._counts_problem(result)
+        if problem is not None:
+            # The answer went to the client as it was; only the gateway's learning refuses it.
+            log.warning(
+                "backend %s: unusable token counts in an answer (%s); not learned",
+                self._gateway.name,
+                problem,
+            )
+            result = dataclasses.replace(
+                result,
+                usage=None,
+                tokens_by_choice={},
+                counts_trusted=False,
+                code=result.code or USAGE_INVALID_CODE,
+            )
         self.finish(outcome, result, now)
+
+    def _counts_problem(self, result: RelayResult) -> str | None:
+        """What makes the token counts of a relayed answer unusable, or None. Every sequence of
+        a request fits in the model's context: a count beyond that is no count (negative, bool,
+        float and huge ones are caught by the parser, see `gateway.sse`)."""
+        demand = self.prepared.demand
+        info = self._gateway.info
+        served = info.find(self.prepared.model) if info is not None and self.prepared.model else None
+        context = served.max_model_len if served is not None else None
+        usage = result.usage
+        if usage is not None and usage.invalid is not None:
+            return usage.invalid
+        if context is None:
+            return None
+        prompts, sequences = len(demand.prompt_tokens), demand.sequences
+        if usage is not None and (usage.prompt_tokens or 0) > prompts * context:
+            return f"prompt_tokens {usage.prompt_tokens} for {prompts} prompt(s) of {context} at most"
+        if usage is not None and (usage.completion_tokens or 0) > sequences * context:
+            return f"completion_tokens {usage.completion_tokens} for {sequences} sequence(s) of {context} at most"
+        if any(tokens > context for tokens in result.tokens_by_choice.values()):
+            return f"a streamed choice counted over {context} tokens"
+        return None
 
     def finish(self, outcome: Outcome, result: RelayResult | None, now: float) -> bool:
         """Complete the reservation; True only for the call that did it."""
@@ -279,7 +327,7 @@ class BackendGateway:
             headers=self._backend_headers,
             waiting=self._has_waiters,
         )
-        self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
+        self._timeouts = relay_timeouts(settings)
         self._keys = itertools.count(1)
         self._pending_counts = 0
         self.recent = RecentRequests(settings.recent_requests)
@@ -330,7 +378,7 @@ class BackendGateway:
         self.poller.reconfigure(
             interval_s=settings.metrics_poll_interval_s, timeout_s=settings.metrics_timeout_s
         )
-        self._timeouts = RelayTimeouts(settings.first_byte_timeout_s, settings.between_chunk_timeout_s)
+        self._timeouts = relay_timeouts(settings)
         # Limits may have grown (or shrunk): decide for everyone waiting again.
         self.queue.pump()
 
@@ -867,31 +915,43 @@ class BackendGateway:
         self, reservation: Reservation, result: RelayResult, streamed: tuple[int, ...], now: float
     ) -> None:
         prepared = reservation.prepared
-        sequences = prepared.demand.sequences
+        demand = prepared.demand
+        sequences = demand.sequences
         if result.usage is not None and result.usage.completion_tokens is not None:
             per_sequence = [round(result.usage.completion_tokens / sequences)] * sequences
-        elif result.streamed:
+        elif result.streamed and result.counts_trusted:
             per_sequence = [result.tokens_by_choice.get(i, 0) for i in range(sequences)]
         else:
             return
-        expected = prepared.demand.expected_output_tokens
+        # No sequence runs past its cap: a count beyond it (a backend's context is longer than
+        # kvgate's estimate of what fits) is learned as the cap.
+        per_sequence = [min(tokens, demand.max_output_tokens) for tokens in per_sequence]
+        expected = demand.expected_output_tokens
         for tokens in per_sequence:
             self.output_model.observe(prepared.output_key, tokens)
             self.metrics.prediction_error.labels(self.name).observe(tokens - expected)
             if tokens > expected:
                 self.metrics.prediction_underruns.labels(self.name).inc()
         longest = max(per_sequence, default=0)
-        demand = prepared.demand
-        self.budget.observe_completion(
-            demand.reserved_blocks, demand.blocks_at(min(longest, demand.max_output_tokens))
-        )
+        self.budget.observe_completion(demand.reserved_blocks, demand.blocks_at(longest))
         admitted_at = reservation.admitted_at
-        if admitted_at is None:
+        if admitted_at is None or result.first_byte_at is None:
             return
+        # The backend's pace from the relay's timings, less the time the relay spent blocked
+        # writing to the client, which is the client's (see BackendPace.observe_stream).
         if not result.streamed:
-            self.pace.observe_whole(admitted_at, now, longest)
-        elif result.first_byte_at is not None:
-            self.pace.observe_stream(admitted_at, result.first_byte_at, now, longest)
+            # vLLM writes a plain answer once it is generated: its first byte marks the end of
+            # the backend's work, and the rest is transfer, paced by the client.
+            self.pace.observe_whole(admitted_at, result.first_byte_at, longest)
+        else:
+            self.pace.observe_stream(
+                admitted_at,
+                result.first_byte_at,
+                now,
+                longest,
+                wait_before_first_byte_s=result.client_wait_before_first_byte_s,
+                wait_after_first_byte_s=result.client_wait_s - result.client_wait_before_first_byte_s,
+            )
 
 
 def _summary(
@@ -948,7 +1008,8 @@ def _finished_summary(
     status = result.status if result is not None else None
     if status is None:
         status = _STATUS_WITHOUT_RELAY.get(outcome)
-    streamed = closed.output_tokens if closed is not None else ()
+    trusted = result is None or result.counts_trusted
+    streamed = closed.output_tokens if closed is not None and trusted else ()
     usage = result.usage.completion_tokens if result is not None and result.usage is not None else None
     completion = usage if usage is not None else (sum(streamed) if any(streamed) else None)
     actual = None
@@ -967,6 +1028,7 @@ def _finished_summary(
         predicted_queue_s=reservation.predicted_queue_s,
         actual_blocks=actual,
         completion_tokens=completion,
+        code=result.code if result is not None else None,
     )
 
 

@@ -89,6 +89,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 300.0
 DEFAULT_BETWEEN_CHUNK_TIMEOUT_S = 60.0
 DEFAULT_WRITE_TIMEOUT_S = 30.0
+# A write to a client blocked this long (it stopped reading, its TCP window full) ends the
+# request: the backend is told to stop and the reservation is released.
+DEFAULT_CLIENT_WRITE_TIMEOUT_S = 30.0
 DEFAULT_DISCOVERY_TIMEOUT_S = 5.0
 DEFAULT_DISCOVERY_RETRY_S = 1.0
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -214,6 +217,7 @@ class Settings(BaseSettings):
     first_byte_timeout_s: float = Field(DEFAULT_FIRST_BYTE_TIMEOUT_S, gt=0)
     between_chunk_timeout_s: float = Field(DEFAULT_BETWEEN_CHUNK_TIMEOUT_S, gt=0)
     write_timeout_s: float = Field(DEFAULT_WRITE_TIMEOUT_S, gt=0)
+    client_write_timeout_s: float = Field(DEFAULT_CLIENT_WRITE_TIMEOUT_S, gt=0)
     discovery_timeout_s: float = Field(DEFAULT_DISCOVERY_TIMEOUT_S, gt=0)
     discovery_retry_s: float = Field(DEFAULT_DISCOVERY_RETRY_S, gt=0)
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1)
@@ -350,6 +354,7 @@ RELOADABLE_SETTINGS = frozenset(
         "service_time_margin",
         "first_byte_timeout_s",
         "between_chunk_timeout_s",
+        "client_write_timeout_s",
         "max_body_bytes",
         "body_timeout_s",
         "tokenizer_max_pending",

@@ -10,7 +10,7 @@ from estimator.demand import BlockCost, Demand
 from gateway.admission import Ask, Priority
 from gateway.client_hints import ServiceEstimate
 from gateway.ledger import InMemoryLedger
-from gateway.pace import BackendPace
+from gateway.pace import CLIENT_PACED_SHARE, BackendPace
 from gateway.rates import DecayingRate
 
 SECONDS_PER_TOKEN = 0.02
@@ -158,6 +158,49 @@ def test_service_times_from_streamed_and_whole_answers() -> None:
     # One token: its delay is the first token's, with no time per token after it.
     pace.observe_stream(admitted_at=0.0, first_byte_at=0.7, finished_at=0.7, output_tokens=1)
     assert (pace.first_token_after_admit.count, pace.seconds_per_output_token.count) == (2, 2)
+
+
+def test_time_blocked_writing_to_the_client_is_not_the_backends() -> None:
+    pace = make_pace(InMemoryLedger())
+    # 2 s of streaming for 101 tokens, 0.1 s of it blocked on the client: the backend took
+    # 1.9 s; and 0.2 s of the first byte's delay was the client's.
+    pace.observe_stream(
+        admitted_at=1.0,
+        first_byte_at=1.5,
+        finished_at=3.5,
+        output_tokens=101,
+        wait_before_first_byte_s=0.2,
+        wait_after_first_byte_s=0.1,
+    )
+    assert pace.first_token_after_admit.value == pytest.approx(0.3)
+    assert pace.seconds_per_output_token.value == pytest.approx(0.019)
+
+
+@pytest.mark.parametrize("blocked_share", [CLIENT_PACED_SHARE * 1.01, 0.5, 0.99])
+def test_a_stream_paced_by_its_client_teaches_no_time_per_token(blocked_share: float) -> None:
+    pace = make_pace(InMemoryLedger())
+    pace.observe_stream(
+        admitted_at=0.0,
+        first_byte_at=0.5,
+        finished_at=10.5,
+        output_tokens=101,
+        wait_after_first_byte_s=10.0 * blocked_share,
+    )
+    assert pace.seconds_per_output_token.count == 0
+    assert pace.first_token_after_admit.value == pytest.approx(0.5)  # that part was not paced
+
+
+def test_a_stream_within_the_share_is_learned_less_its_wait() -> None:
+    pace = make_pace(InMemoryLedger())
+    wait_s = 10.0 * CLIENT_PACED_SHARE
+    pace.observe_stream(
+        admitted_at=0.0,
+        first_byte_at=0.5,
+        finished_at=10.5,
+        output_tokens=101,
+        wait_after_first_byte_s=wait_s,
+    )
+    assert pace.seconds_per_output_token.value == pytest.approx((10.0 - wait_s) / 100)
 
 
 def ask(now: float, *, deadline_s: float, objective_s: float, blocks: int = 3) -> Ask:

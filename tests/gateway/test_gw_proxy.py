@@ -1,13 +1,16 @@
 """The relay on real sockets, against a scripted backend: which headers cross the gateway in
 each direction, the backend key replacing the client's, and the first-byte and between-chunk
-timeouts (each ends the backend's request and balances the ledger)."""
+timeouts (each ends the backend's request and balances the ledger). And the relay in process,
+against a scripted upstream and client: the time it spends blocked writing to the client, the
+client write timeout, and plain answers held while short and relayed as they come past that."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +19,11 @@ import pytest
 from conftest import Served, bound_socket, ledger_is_empty, served_gateway, serving
 from pydantic import ValidationError
 
+from gateway.outcomes import Outcome
+from gateway.proxy import PLAIN_HOLD_BYTES, RelayResponse, RelayResult, RelayTimeouts
 from gateway.settings import Settings
+from gateway.sse import Usage
+from gateway.upstream import UpstreamRequest
 
 MODEL = "fake"
 METRICS = (
@@ -206,3 +213,151 @@ def test_the_relay_runs_beside_other_requests_on_one_connection_pool(backend: tu
 def test_a_gateway_key_that_cannot_be_a_header_value_is_refused_at_startup(key: str) -> None:
     with pytest.raises(ValidationError, match="printable ASCII"):
         Settings(backend_url="http://127.0.0.1:1", backend_api_key=key)
+
+
+# -- the relay in process: writes to the client, timed and bounded ------------------------------
+
+
+class ScriptedResponse:
+    """An upstream response whose body is `chunks`, each after `gap_s` (a slow backend)."""
+
+    def __init__(self, chunks: list[bytes], content_type: bytes, gap_s: float = 0.0) -> None:
+        self._chunks = list(chunks)
+        self._gap_s = gap_s
+        self.headers = [(b"content-type", content_type)]
+        self.status = 200
+        self.closed = 0
+
+    async def receive(self, deadline: float | None = None) -> bytes:
+        if self._gap_s:
+            await asyncio.sleep(self._gap_s)
+        return self._chunks.pop(0) if self._chunks else b""
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+@dataclass
+class ScriptedUpstream:
+    response: ScriptedResponse
+
+    async def send(self, request: UpstreamRequest, deadline: float | None = None) -> ScriptedResponse:
+        return self.response
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclass
+class Finished:
+    calls: list[tuple[Outcome, RelayResult]] = field(default_factory=list)
+
+    def on_first_byte(self, now: float) -> None:
+        pass
+
+    def on_tokens(self, choice: int, tokens: int) -> None:
+        pass
+
+    def on_finish(self, outcome: Outcome, result: RelayResult, now: float) -> None:
+        self.calls.append((outcome, result))
+
+
+async def relay(
+    response: ScriptedResponse,
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    *,
+    write_timeout_s: float = 30.0,
+) -> tuple[Outcome, RelayResult]:
+    """Run a RelayResponse over `response` with `send` as the client's side; returns what it
+    reported (exactly once)."""
+    observer = Finished()
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()  # the client never disconnects
+        return {"type": "http.disconnect"}
+
+    relay_response = RelayResponse(
+        upstream=ScriptedUpstream(response),
+        request=UpstreamRequest(b"POST", b"/v1/completions", []),
+        observer=observer,
+        timeouts=RelayTimeouts(5.0, 5.0, write_timeout_s),
+        extra_headers={},
+        clock=time.monotonic,
+    )
+    await relay_response({"type": "http"}, receive, send)
+    assert len(observer.calls) == 1
+    assert response.closed == 1
+    return observer.calls[0]
+
+
+SSE = b"text/event-stream"
+
+
+async def test_the_time_blocked_writing_to_the_client_is_measured() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if len(sent) == 3:  # the second event: the client's window is full for a while
+            await asyncio.sleep(0.2)
+
+    outcome, result = await relay(ScriptedResponse([EVENT, EVENT, EVENT], SSE), send)
+    assert outcome is Outcome.COMPLETED
+    assert result.client_wait_s >= 0.2
+    assert result.client_wait_before_first_byte_s < result.client_wait_s
+    assert result.code is None
+
+
+async def test_a_write_blocked_past_the_timeout_ends_the_relay_once() -> None:
+    blocked = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message.get("body") == EVENT:
+            blocked.set()
+            await asyncio.Event().wait()  # the client never reads again
+
+    outcome, result = await relay(ScriptedResponse([EVENT] * 50, SSE), send, write_timeout_s=0.05)
+    assert blocked.is_set()
+    assert outcome is Outcome.CLIENT_GONE
+    assert result.code == "client_write_timeout"
+    assert result.client_wait_s >= 0.05
+
+
+async def test_writes_that_each_complete_are_never_timed_out() -> None:
+    # The relay lasts many times the write timeout, but no single write blocks that long.
+    async def send(message: dict[str, Any]) -> None:
+        await asyncio.sleep(0.005)
+
+    response = ScriptedResponse([EVENT] * 40, SSE, gap_s=0.005)
+    outcome, result = await relay(response, send, write_timeout_s=0.05)
+    assert outcome is Outcome.COMPLETED
+    assert result.client_wait_s >= 40 * 0.005
+
+
+async def test_a_plain_answer_past_the_hold_goes_out_as_it_comes() -> None:
+    piece = b"x" * (PLAIN_HOLD_BYTES // 4)
+    chunks = [
+        b'{"choices":[{"text":"',
+        *([piece] * 12),
+        b'"}],"usage":{"prompt_tokens":2,"completion_tokens":5}}',
+    ]
+    sizes: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            sizes.append(len(message["body"]))
+
+    outcome, result = await relay(ScriptedResponse(chunks, b"application/json"), send)
+    assert outcome is Outcome.COMPLETED
+    assert sum(sizes) == sum(map(len, chunks))
+    assert max(sizes) <= PLAIN_HOLD_BYTES + len(piece) + len(chunks[0])  # never the whole
+    assert result.usage == Usage(2, 5)
+
+    small: list[dict[str, Any]] = []
+
+    async def keep(message: dict[str, Any]) -> None:
+        small.append(message)
+
+    await relay(ScriptedResponse([b'{"usage":', b'{"completion_tokens":1}}'], b"application/json"), keep)
+    assert [m.get("body") for m in small[1:]] == [b'{"usage":{"completion_tokens":1}}']  # held, sent whole

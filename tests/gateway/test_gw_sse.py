@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sse import StreamTally, Usage, body_usage
+from gateway.sse import MAX_CHOICE_INDEX, MAX_USAGE_TOKENS, USAGE_CAPTURE_BYTES, BodyUsage, StreamTally, Usage
 
 
 def event(payload: dict[str, Any] | str) -> bytes:
@@ -82,8 +83,99 @@ def test_any_chunking_gives_the_same_counts(cuts: list[int]) -> None:
     assert tally.usage == Usage(9, 3)
 
 
-def test_body_usage() -> None:
-    body = json.dumps({"choices": [{}, {}], "usage": {"prompt_tokens": 4, "completion_tokens": 10}}).encode()
-    assert body_usage(body) == (Usage(4, 10), 2)
-    assert body_usage(b"{oops") == (None, 0)
-    assert body_usage(b"[]") == (None, 0)
+def body_usage(body: bytes, cuts: list[int] | None = None) -> Usage | None:
+    """BodyUsage over `body` cut at `cuts` (sorted byte offsets)."""
+    scanner = BodyUsage()
+    points = [0, *sorted(set(cuts or [])), len(body)]
+    for start, end in itertools.pairwise(points):
+        scanner.feed(body[start:end])
+    return scanner.result()
+
+
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-1",
+        "choices": [{"index": 0, "text": 'say "usage": {"completion_tokens": 99} and "usage"'}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 10, "prompt_tokens_details": None},
+    }
+).encode()
+
+
+def test_body_usage_is_the_usage_object_of_the_answer() -> None:
+    assert body_usage(COMPLETION) == Usage(4, 10)
+    # Compact JSON, as vLLM writes it; and chat's prompt_logprobs after the usage, with a token
+    # that reads "usage".
+    chat = {
+        "choices": [{"index": 0, "message": {"content": "usage"}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+        "prompt_logprobs": [None, {"1": {"logprob": -1.0, "decoded_token": "usage"}}] * 1000,
+    }
+    assert body_usage(json.dumps(chat, separators=(",", ":")).encode()) == Usage(7, 3)
+    assert body_usage(b'{"choices": []}') is None
+    assert body_usage(b"{oops") is None
+
+
+@given(st.lists(st.integers(1, len(COMPLETION) - 1), max_size=20))
+def test_body_usage_under_any_chunking(cuts: list[int]) -> None:
+    assert body_usage(COMPLETION, cuts) == Usage(4, 10)
+
+
+def test_body_usage_keeps_a_bounded_capture() -> None:
+    scanner = BodyUsage()
+    scanner.feed(b'{"choices": [], "usage": {"prompt_tokens": 1, "padding": "')
+    for _ in range(100):
+        scanner.feed(b"x" * 65536)
+    assert len(scanner._capture or b"") <= USAGE_CAPTURE_BYTES
+    result = scanner.result()
+    assert result is not None
+    assert result.invalid == "usage does not parse as JSON"
+
+
+@pytest.mark.parametrize(
+    ("usage", "problem"),
+    [
+        ({"prompt_tokens": 3, "completion_tokens": -1}, "completion_tokens is -1"),
+        ({"prompt_tokens": True, "completion_tokens": 2}, "prompt_tokens is true"),
+        ({"prompt_tokens": 3, "completion_tokens": 2.0}, "completion_tokens is 2.0"),
+        ({"prompt_tokens": 3, "completion_tokens": "2"}, 'completion_tokens is "2"'),
+        (
+            {"prompt_tokens": 3, "completion_tokens": MAX_USAGE_TOKENS},
+            f"completion_tokens is {MAX_USAGE_TOKENS}",
+        ),
+        ({"prompt_tokens": 10**400, "completion_tokens": 1}, "prompt_tokens is 1000000000000000000"),
+    ],
+)
+def test_usage_that_is_no_count_is_invalid(usage: Any, problem: str) -> None:
+    for found in (
+        body_usage(json.dumps({"choices": [], "usage": usage}).encode()),
+        _streamed_usage(usage),
+    ):
+        assert found is not None
+        assert (found.prompt_tokens, found.completion_tokens) == (None, None)
+        assert found.invalid is not None
+        assert found.invalid.startswith(problem)
+
+
+def test_usage_that_is_no_object() -> None:
+    found = _streamed_usage([1, 2])
+    assert found == Usage(None, None, "usage is list, not an object")
+    assert body_usage(b'{"usage": [1, 2]}') == found
+    assert body_usage(b'{"usage": null}') is None
+
+
+def _streamed_usage(usage: Any) -> Usage | None:
+    tally = StreamTally()
+    tally.feed(event({"choices": [], "usage": usage}))
+    return tally.usage
+
+
+def test_absent_counts_are_not_invalid() -> None:
+    assert body_usage(b'{"usage": {"prompt_tokens": 3}}') == Usage(3, None)
+    assert body_usage(b'{"usage": {"completion_tokens": null}}') == Usage(None, None)
+
+
+def test_invented_choice_indices_do_not_grow_the_tally() -> None:
+    tally = StreamTally()
+    for index in (10**9, -5, True, 2**70):
+        tally.feed(event({"choices": [{"index": index, "text": "a"}]}))
+    assert tally.tokens_by_choice == {MAX_CHOICE_INDEX: 2, 0: 2}
