@@ -26,7 +26,6 @@ import contextlib
 import logging
 import math
 import os
-import queue
 import resource
 import signal
 import subprocess
@@ -186,12 +185,10 @@ class RenderPool:
         self.timeout_s = timeout_s
         self._workers = workers
         # One slot per worker; None until a worker is started there. A render takes a slot for
-        # its whole duration, so at most `workers` render at once and the rest wait here. Last
-        # in, first out: a worker that is loaded already serves before another one is started.
-        self._slots: queue.LifoQueue[_Worker | None] = queue.LifoQueue()
-        for _ in range(workers):
-            self._slots.put(None)
-        self._lock = threading.Lock()  # guards the two fields below
+        # its whole duration, so at most `workers` render at once and the rest wait here.
+        self._idle: list[_Worker | None] = [None] * workers
+        self._idle_changed = threading.Condition()
+        self._lock = threading.Lock()  # guards the fields below
         self._threads: ThreadPoolExecutor | None = None
         self._live: set[_Worker] = set()
         self.started = 0  # workers started so far (the first ones and every replacement)
@@ -210,7 +207,7 @@ class RenderPool:
             return [worker.pid for worker in self._live]
 
     def render_chat(self, body: Mapping[str, Any]) -> RenderedChat | int:
-        worker = self._slots.get()
+        worker = self._take()
         try:
             worker = self._ready(worker)
             try:
@@ -240,8 +237,25 @@ class RenderPool:
                 self._forget(worker)
                 worker = self._spawn()
         finally:
-            self._slots.put(worker)
+            with self._idle_changed:
+                self._idle.append(worker)
+                self._idle_changed.notify()
         return _from_reply(reply)
+
+    def _take(self) -> _Worker | None:
+        """An idle slot: a loaded worker first, then one still loading (a replacement), then an
+        empty slot, so that a render after a killed worker need not wait for its replacement."""
+
+        def rank(worker: _Worker | None) -> int:
+            if worker is None:
+                return 0
+            return 2 if worker.ready else 1
+
+        with self._idle_changed:
+            while not self._idle:
+                self._idle_changed.wait()
+            best = max(range(len(self._idle)), key=lambda index: rank(self._idle[index]))
+            return self._idle.pop(best)
 
     def _ready(self, worker: _Worker | None) -> _Worker:
         """`worker` once it has loaded, or a new one in its place if it is gone."""
