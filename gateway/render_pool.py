@@ -368,9 +368,13 @@ def serve_worker(conn: Connection, spec: WorkerSpec) -> None:
                 soft = min(soft, hard)
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     except Exception as exc:
-        conn.send(("failed", repr(exc)))
+        with contextlib.suppress(OSError):
+            conn.send(("failed", repr(exc)))
         return
-    conn.send(("ready", loaded))
+    try:
+        conn.send(("ready", loaded))
+    except OSError:
+        return  # the gateway went away while this worker loaded
     while True:
         try:
             body = conn.recv()
