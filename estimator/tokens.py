@@ -6,12 +6,21 @@ does (message normalisation, content parts, tools, documents, template kwargs, g
 and tokenizes the result without special tokens unless the request asks for them; for completions
 it tokenizes each prompt with special tokens, or counts the token ids it is given.
 
-Counting is synchronous, CPU-bound and thread-safe: the service runs it in a bounded thread pool.
+Counting is synchronous, CPU-bound and thread-safe without a lock: every thread that counts has
+a copy of the tokenizer of its own (see `TokenCounter.prepare_thread`), so a large body being
+counted in the service's thread pool never makes a small one wait on the event loop.
 Without a tokenizer the counter still answers, approximately, and says so (`exact=False`).
+
+A chat template sent with the request (`chat_template`, or `chat_template` inside
+`chat_template_kwargs`) is code from the client. Like vLLM by default, the counter refuses it
+(400) unless told to trust it; a trusted one is rendered by a `TemplateSandbox` (another process,
+with bounds on time, memory and output: gateway.render_pool) and only counted here. Whatever a
+template raises, the model's own included, is the request's failure: a 400, never a 500.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -21,7 +30,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
 
 import jinja2
 import jinja2.ext
@@ -43,6 +55,16 @@ MEDIA_TOKENS_UNKNOWN_CONTEXT = 32_768
 
 ContentFormat = Literal["auto", "string", "openai"]
 
+# vLLM 0.32's answer to a request template it was not told to trust (400, BadRequestError),
+# with its flag named as kvgate's setting.
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but trust_request_chat_template is not set. "
+    "Refused request with untrusted chat template."
+)
+# An exception's text can be as long as the template makes it (raise_exception(huge)); the
+# client gets this much of it.
+TEMPLATE_ERROR_MAX_CHARS = 300
+
 
 class Route(StrEnum):
     """The OpenAI endpoint a body was sent to."""
@@ -58,6 +80,78 @@ class RequestBodyError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class ChatTemplateError(RequestBodyError):
+    """A chat template cannot be used for this request: refused, it raised, or it exceeded a
+    bound. A 400 like any RequestBodyError, with an error `code` that says which."""
+
+    def __init__(self, message: str, param: str | None, code: str) -> None:
+        super().__init__(message, param)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedChat:
+    """A chat body's prompt as its template rendered it, and how to count it: with special
+    tokens or not, its media items (counted apart, see `TokenCounter._with_media`), and the
+    `max_length` the template kwargs cut it at (None: not cut)."""
+
+    prompt: str
+    add_special_tokens: bool
+    media: tuple[MediaItem, ...] = ()
+    max_length: int | None = None
+
+
+class TemplateSandbox(Protocol):
+    """Renders chat bodies that carry their own template where that template cannot harm the
+    caller: another process, bounded in time, memory and output size.
+
+    `render_chat(body)` returns what `TokenCounter.render_chat` returns for `body` in a counter
+    that trusts request templates. It blocks until the render ends or a bound stops it; it is
+    thread-safe; it raises RequestBodyError (a ChatTemplateError when the template failed or
+    exceeded a bound). Call it on `executor`, whose threads only wait for the sandbox, so that a
+    slow template never holds a thread that tokenizes other requests. `close()` stops whatever
+    the sandbox started; it may start again on the next render."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    def render_chat(self, body: Mapping[str, Any]) -> RenderedChat | int: ...
+
+    def close(self) -> None: ...
+
+
+# What a counter does with a template sent in the request: refuse it (vLLM's default), render
+# it in this process (only where this process is the sandbox), or hand it to a sandbox.
+RequestTemplates: TypeAlias = Literal["refuse", "render"] | TemplateSandbox
+
+
+def request_chat_template(body: Mapping[str, Any]) -> str | None:
+    """Where `body` carries a chat template of its own ("chat_template" or
+    "chat_template_kwargs.chat_template"), or None. Present means not None, as vLLM checks: an
+    empty string counts."""
+    if body.get("chat_template") is not None:
+        return "chat_template"
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, Mapping) and kwargs.get("chat_template") is not None:
+        return "chat_template_kwargs.chat_template"
+    return None
+
+
+def template_failure(exc: BaseException) -> ChatTemplateError:
+    """What a template's exception means to the client (vLLM answers 400 the same way)."""
+    detail = str(exc)
+    if len(detail) > TEMPLATE_ERROR_MAX_CHARS:
+        detail = detail[:TEMPLATE_ERROR_MAX_CHARS] + "..."
+    what = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+    if isinstance(exc, MemoryError | RecursionError):
+        return ChatTemplateError(
+            f"the chat template exceeded kvgate's bounds ({what})", "messages", "chat_template_too_costly"
+        )
+    return ChatTemplateError(
+        f"the chat template rejected the request ({what})", "messages", "chat_template_error"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,15 +712,24 @@ class TokenCounter:
         content_format: ContentFormat = "auto",
         max_model_len: int | None = None,
         media: MediaProfile | None = None,
+        request_templates: RequestTemplates = "refuse",
+        max_prompt_chars: int | None = None,
     ) -> None:
+        # Never used to count: each thread counts with a deep copy of it (see `_own_tokenizer`).
         self._tokenizer = tokenizer
         # What the served model does with media parts; unknown without its config.json.
         self._media = media if media is not None else MediaProfile.unknown()
-        # Fast tokenizers mutate internal state on every call; concurrent calls from several
-        # threads can fail with "Already borrowed". A lock keeps counting safe in a thread pool.
-        self._lock = threading.Lock()
+        # Fast tokenizers mutate internal state on every call, so one shared by threads fails
+        # with "Already borrowed" or needs a lock; a lock lets a large body counted in the pool
+        # make the event loop wait. One copy per thread needs neither. Keyed by thread id (not
+        # threading.local) so that the event loop's copy can be made ahead, in the pool.
+        self._copies: dict[int, Any] = {}
         self._chat_template = chat_template
         self._max_model_len = max_model_len
+        self._request_templates: RequestTemplates = request_templates
+        # Past this many characters a rendered prompt is refused before it is tokenized.
+        self._max_prompt_chars = max_prompt_chars
+        self._content_format_option: ContentFormat = content_format
         template = chat_template or (getattr(tokenizer, "chat_template", None) if tokenizer else None)
         if content_format == "auto":
             self._content_format: Literal["string", "openai"] = (
@@ -653,6 +756,8 @@ class TokenCounter:
         content_format: ContentFormat = "auto",
         max_model_len: int | None = None,
         config_sources: Sequence[str | Path] = (),
+        request_templates: RequestTemplates = "refuse",
+        max_prompt_chars: int | None = None,
     ) -> TokenCounter:
         """Load a tokenizer from a model folder or a model id in the local Hugging Face cache
         (never from the network). Raises OSError when none can be loaded.
@@ -667,6 +772,8 @@ class TokenCounter:
             content_format=content_format,
             max_model_len=max_model_len,
             media=_load_media_profile([path_or_id, *config_sources]),
+            request_templates=request_templates,
+            max_prompt_chars=max_prompt_chars,
         )
 
     @classmethod
@@ -685,6 +792,70 @@ class TokenCounter:
     @property
     def content_format(self) -> Literal["string", "openai"]:
         return self._content_format
+
+    # tokenizer copies --------------------------------------------------------------------
+
+    def prepare_thread(self, thread_id: int) -> None:
+        """Make the tokenizer copy of thread `thread_id` now, from any thread: a copy takes
+        about 0.3 s and 16 MB (testbed tokenizer), which the event loop must not spend inline."""
+        if self._tokenizer is not None and thread_id not in self._copies:
+            self._copies.setdefault(thread_id, copy.deepcopy(self._tokenizer))
+
+    @property
+    def tokenizer_copies(self) -> int:
+        """How many threads have a tokenizer copy of their own."""
+        return len(self._copies)
+
+    def _own_tokenizer(self) -> Any:
+        """This thread's copy of the tokenizer (made on its first use). No other thread ever
+        uses it, so no lock is needed; a thread id reused after its thread ended inherits a copy
+        that nobody else holds."""
+        thread_id = threading.get_ident()
+        tokenizer = self._copies.get(thread_id)
+        if tokenizer is None:
+            self.prepare_thread(thread_id)
+            tokenizer = self._copies[thread_id]
+        return tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool) -> int:
+        return len(self._encode_ids(text, add_special_tokens))
+
+    def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self._own_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    # request templates -------------------------------------------------------------------
+
+    def screen(self, route: Route, body: Mapping[str, Any]) -> TemplateSandbox | None:
+        """Check `body` for a chat template of its own before anything renders it: refused
+        (ChatTemplateError, 400) unless request templates are trusted. Returns the sandbox that
+        will render it, or None when the body is counted in this process."""
+        if route is not Route.CHAT or not isinstance(body, Mapping):
+            return None
+        where = request_chat_template(body)
+        if where is None:
+            return None
+        if self._request_templates == "refuse":
+            raise ChatTemplateError(UNTRUSTED_TEMPLATE_MESSAGE, where, "untrusted_chat_template")
+        if isinstance(self._request_templates, str) or self._tokenizer is None:
+            return None  # rendered here (this process is the sandbox), or never rendered at all
+        return self._request_templates
+
+    def with_chat_template(self, template: str) -> TokenCounter:
+        """This counter rendering with `template`, its content format detected from it as vLLM
+        detects a request template's; it shares this counter's tokenizer copies."""
+        clone = copy.copy(self)
+        clone._chat_template = template
+        clone._has_template = True
+        clone._template_vars = template_variables(template)
+        if self._content_format_option == "auto":
+            clone._content_format = detect_content_format(template)
+        return clone
+
+    def close(self) -> None:
+        """Stop what the sandbox started (if any); it starts again when next needed."""
+        if not isinstance(self._request_templates, str):
+            self._request_templates.close()
 
     def count(self, route: Route, body: Mapping[str, Any]) -> PromptCount:
         """Prompt tokens of `body` sent to `route`. Raises RequestBodyError for malformed bodies."""
@@ -714,6 +885,33 @@ class TokenCounter:
     # chat ---------------------------------------------------------------------------------
 
     def _count_chat(self, body: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
+        rendered = self.render_chat(body)
+        if isinstance(rendered, int):
+            return (rendered,), False
+        ids = self._encode_ids(rendered.prompt, rendered.add_special_tokens)
+        tokens = len(ids) if rendered.max_length is None else min(len(ids), rendered.max_length)
+        if rendered.media:
+            with_media, exact = self._with_media(tokens, ids, list(rendered.media), body)
+            return (with_media,), exact
+        return (tokens,), True
+
+    def render_chat(self, body: Mapping[str, Any]) -> RenderedChat | int:
+        """The prompt text of a chat body, or its approximate token count when there is no
+        tokenizer or no template. A template sent with the request is refused unless trusted,
+        and rendered by the sandbox when there is one (see `screen`)."""
+        sandbox = self.screen(Route.CHAT, body)
+        if sandbox is not None:
+            return sandbox.render_chat(body)
+        template = body.get("chat_template")
+        if isinstance(template, str) and template and self._tokenizer is not None:
+            try:
+                renderer = self.with_chat_template(template)
+            except Exception as exc:  # parsing a template (code) can recurse or exhaust memory too
+                raise template_failure(exc) from exc
+            return renderer._render_chat(body)
+        return self._render_chat(body)
+
+    def _render_chat(self, body: Mapping[str, Any]) -> RenderedChat | int:
         conversation = _normalise_messages(body.get("messages"), self._content_format, self._media)
         add_generation_prompt = _expect_bool(body, "add_generation_prompt", True)
         continue_final_message = _expect_bool(body, "continue_final_message", False)
@@ -751,7 +949,7 @@ class TokenCounter:
         kwargs.pop("chat_template", None)
 
         if self._tokenizer is None or not (self._has_template or template):
-            return (self._approximate_chat(conversation, tools),), False
+            return self._approximate_chat(conversation, tools)
 
         resolved = template if template is not None else getattr(self._tokenizer, "chat_template", None)
         if isinstance(resolved, str) and _needs_developer_conversion(conversation.messages, resolved):
@@ -766,26 +964,33 @@ class TokenCounter:
         render_kwargs: dict[str, Any] = {**kwargs, "tools": tools}
         if template is not None:
             render_kwargs["chat_template"] = template
-        with self._lock:
-            try:
-                prompt = self._tokenizer.apply_chat_template(
-                    conversation.messages, tokenize=False, **render_kwargs
-                )
-            except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
-                # vLLM answers 400 when the template rejects the conversation.
-                raise RequestBodyError(f"the chat template rejected the messages: {exc}", "messages") from exc
-            if not isinstance(prompt, str):
-                raise RequestBodyError("the chat template did not render text", "messages")
-            # With `tokenize` in the kwargs vLLM takes the template's own token ids, which
-            # never get special tokens added (and are cut at max_length when asked).
-            ids = self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens and not tokenize)
-        tokens = len(ids)
-        if tokenize and kwargs.get("truncation") and isinstance(kwargs.get("max_length"), int):
-            tokens = min(tokens, kwargs["max_length"])
-        if conversation.media:
-            with_media, exact = self._with_media(tokens, ids, conversation.media, body)
-            return (with_media,), exact
-        return (tokens,), True
+        prompt = self._render(conversation.messages, render_kwargs)
+        # With `tokenize` in the kwargs vLLM takes the template's own token ids, which never
+        # get special tokens added (and are cut at max_length when asked).
+        max_length = kwargs.get("max_length")
+        cut = max_length if tokenize and kwargs.get("truncation") and isinstance(max_length, int) else None
+        return RenderedChat(prompt, add_special_tokens and not tokenize, tuple(conversation.media), cut)
+
+    def _render(self, messages: list[dict[str, Any]], render_kwargs: dict[str, Any]) -> str:
+        """Apply the chat template in this process. A template is code: whatever it raises
+        (raise_exception, 1/0, RecursionError, MemoryError, ...) is the request's failure, a
+        400 as in vLLM, never a 500 of kvgate's."""
+        try:
+            prompt = self._own_tokenizer().apply_chat_template(messages, tokenize=False, **render_kwargs)
+        except Exception as exc:
+            raise template_failure(exc) from exc
+        if not isinstance(prompt, str):
+            raise ChatTemplateError(
+                "the chat template did not render text", "messages", "chat_template_error"
+            )
+        if self._max_prompt_chars is not None and len(prompt) > self._max_prompt_chars:
+            raise ChatTemplateError(
+                f"the chat template rendered {len(prompt)} characters, more than kvgate's bound of "
+                f"{self._max_prompt_chars}",
+                "messages",
+                "chat_template_too_costly",
+            )
+        return prompt
 
     def _with_media(
         self, text_tokens: int, ids: Sequence[int] | None, media: list[MediaItem], body: Mapping[str, Any]
@@ -881,8 +1086,7 @@ class TokenCounter:
                 counts.append(max(1, math.ceil(len(prompt.encode()) / APPROX_BYTES_PER_TOKEN)))
                 exact = False
             else:
-                with self._lock:
-                    counts.append(len(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens)))
+                counts.append(self._encode(prompt, add_special_tokens))
         return tuple(counts), exact
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:

@@ -20,8 +20,9 @@ import httpx
 
 from estimator import kv
 from estimator.modelconfig import ModelNotFoundError, load_config
-from estimator.tokens import TokenCounter
+from estimator.tokens import RequestTemplates, TokenCounter
 from gateway.errors import failure_reason
+from gateway.render_pool import MAX_PROMPT_CHARS_PER_BODY_BYTE, RenderPool
 
 log = logging.getLogger(__name__)
 
@@ -151,28 +152,55 @@ def tokenizer_candidates(tokenizer: str | None, model: str | None, info: Backend
     return list(dict.fromkeys(candidates))
 
 
-def load_token_counter(candidates: Sequence[str], *, max_model_len: int | None) -> tuple[TokenCounter, str]:
+def load_token_counter(
+    candidates: Sequence[str],
+    *,
+    max_model_len: int | None,
+    trust_request_chat_template: bool = False,
+    max_body_bytes: int | None = None,
+    inline_thread: int | None = None,
+) -> tuple[TokenCounter, str]:
     """Load the first tokenizer that exists locally; fall back on approximate counting.
+
+    Templates sent in requests are refused unless `trust_request_chat_template`, and then
+    rendered by a RenderPool loading the same tokenizer. Rendered prompts longer than
+    MAX_PROMPT_CHARS_PER_BODY_BYTE x `max_body_bytes` characters are refused. The tokenizer copy
+    of `inline_thread` (the event loop's, which counts small bodies inline) is made here, so that
+    the loop never spends the 0.3 s a copy takes.
 
     Blocking (file I/O, tokenizer construction): run it in a thread.
     """
+    max_prompt_chars = MAX_PROMPT_CHARS_PER_BODY_BYTE * max_body_bytes if max_body_bytes else None
     for candidate in candidates:
+        templates: RequestTemplates = "refuse"
+        if trust_request_chat_template:
+            templates = RenderPool(candidate, max_model_len=max_model_len, max_prompt_chars=max_prompt_chars)
         try:
             # The served model's config.json says which media it takes (estimator/media.py);
             # a tokenizer-only folder has none, so the other candidates are asked too.
             counter = TokenCounter.from_pretrained(
-                candidate, max_model_len=max_model_len, config_sources=candidates
+                candidate,
+                max_model_len=max_model_len,
+                config_sources=candidates,
+                request_templates=templates,
+                max_prompt_chars=max_prompt_chars,
             )
         except (OSError, ValueError) as exc:
             log.info("no local tokenizer at %r: %s", candidate, exc)
             continue
         log.info("media parts for %r: %s", candidate, counter.media.describe())
+        if inline_thread is not None:
+            counter.prepare_thread(inline_thread)
         return counter, candidate
     log.warning(
         "no tokenizer found locally (tried %s): prompt tokens are estimated from bytes",
         ", ".join(candidates) or "nothing",
     )
-    return TokenCounter.approximate(max_model_len=max_model_len), "approximate"
+    approximate = TokenCounter.approximate(max_model_len=max_model_len)
+    if trust_request_chat_template:
+        # Nothing is rendered without a tokenizer: the template is accepted and not run.
+        approximate = TokenCounter(None, max_model_len=max_model_len, request_templates="render")
+    return approximate, "approximate"
 
 
 def load_model_shape(candidates: Sequence[str]) -> tuple[kv.ModelShape | None, str | None]:

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from estimator.demand import (
     output_limits,
 )
 from estimator.kv import ConfigError, ModelShape, kv_cache_layout
-from estimator.tokens import PromptCount, RequestBodyError, Route, TokenCounter
+from estimator.tokens import ChatTemplateError, PromptCount, RequestBodyError, Route, TokenCounter
 from gateway.admission import (
     AdmissionPolicy,
     Ask,
@@ -81,6 +82,7 @@ from gateway.pace import BackendPace
 from gateway.proxy import RelayResponse, RelayResult, RelayTimeouts, upstream_headers
 from gateway.rates import WaitCalibration
 from gateway.recent import RecentRequests, RequestSummary
+from gateway.render_pool import RenderPoolError
 from gateway.request_id import REQUEST_ID_HEADER, new_request_id
 from gateway.settings import Settings
 from gateway.upstream import Upstream, UpstreamRequest
@@ -353,6 +355,8 @@ class BackendGateway:
                 await task
         self._tasks = []
         self.queue.close(Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, self.settings.retry_after_s))
+        if self.counter is not None:
+            self.counter.close()  # its template renderers, if it started any
 
     def begin_drain(self) -> int:
         """Stop admitting, for a shutdown: readiness turns false, everyone queued is answered 503
@@ -402,8 +406,16 @@ class BackendGateway:
             candidates = tokenizer_candidates(self.settings.tokenizer, self.settings.model, info)
             served = info.find(self.settings.model) if self.settings.model else None
             limit = (served or info.default).max_model_len
+            loop_thread = threading.get_ident()
             counter, source = await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: load_token_counter(candidates, max_model_len=limit)
+                self._executor,
+                lambda: load_token_counter(
+                    candidates,
+                    max_model_len=limit,
+                    trust_request_chat_template=self.settings.trust_request_chat_template,
+                    max_body_bytes=self.settings.max_body_bytes,
+                    inline_thread=loop_thread,
+                ),
             )
             if self.counter is None:
                 self.counter, self.counter_source = counter, source
@@ -695,12 +707,20 @@ class BackendGateway:
         self, counter: TokenCounter, route: Route, body: Mapping[str, Any], body_bytes: int
     ) -> PromptCount:
         """Count the prompt: small bodies here (see DEFAULT_TOKENIZER_INLINE_MAX_BYTES), the
-        rest in the tokenizer pool, so that the event loop is never held for long."""
-        if body_bytes <= self.settings.tokenizer_inline_max_bytes:
+        rest in the tokenizer pool, so that the event loop is never held for long. The loop
+        never waits for the pool: each thread counts with a tokenizer copy of its own. A body
+        with a template of its own is refused here unless trusted, and then counted on the
+        template sandbox's threads, which wait for its worker processes without holding a
+        tokenizer thread."""
+        try:
+            sandbox = counter.screen(route, body)
+        except RequestBodyError as exc:
+            raise _body_error(exc) from exc
+        if sandbox is None and body_bytes <= self.settings.tokenizer_inline_max_bytes:
             try:
                 return counter.count(route, body)
             except RequestBodyError as exc:
-                raise InvalidRequestError(exc.message, param=exc.param) from exc
+                raise _body_error(exc) from exc
             except (UnicodeError, TypeError) as exc:
                 raise _text_error(body) from exc
         if self._pending_counts >= self.settings.tokenizer_max_pending:
@@ -710,10 +730,15 @@ class BackendGateway:
         self._pending_counts += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor, counter.count, route, body
+                sandbox.executor if sandbox is not None else self._executor, counter.count, route, body
             )
         except RequestBodyError as exc:
-            raise InvalidRequestError(exc.message, param=exc.param) from exc
+            raise _body_error(exc) from exc
+        except RenderPoolError as exc:
+            raise UnavailableError(
+                "kvgate cannot render request chat templates right now",
+                retry_after_s=self.settings.retry_after_s,
+            ) from exc
         except (UnicodeError, TypeError) as exc:
             raise _text_error(body) from exc
         finally:
@@ -1052,6 +1077,11 @@ def _unencodable(value: Any, path: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _body_error(exc: RequestBodyError) -> InvalidRequestError:
+    code = exc.code if isinstance(exc, ChatTemplateError) else None
+    return InvalidRequestError(exc.message, param=exc.param, code=code)
 
 
 def _text_error(body: Mapping[str, Any]) -> Exception:

@@ -235,6 +235,11 @@ class Settings(BaseSettings):
     tokenizer_threads: int = Field(DEFAULT_TOKENIZER_THREADS, ge=1, le=64)
     tokenizer_max_pending: int = Field(DEFAULT_TOKENIZER_MAX_PENDING, ge=1)
     tokenizer_inline_max_bytes: int = Field(DEFAULT_TOKENIZER_INLINE_MAX_BYTES, ge=0, le=64 * 1024)
+    # Chat templates sent in requests (`chat_template`, or inside `chat_template_kwargs`) are
+    # code from the client. Off: refused with 400, as vLLM refuses them without its
+    # --trust-request-chat-template. On: rendered in bounded worker processes (gateway.render_pool);
+    # turn it on only together with vLLM's flag, or vLLM refuses what kvgate rendered.
+    trust_request_chat_template: bool = False
 
     @field_validator("admin_token", "backend_api_key", "priority_token", mode="before")
     @classmethod
