@@ -53,6 +53,13 @@ APPROX_TOKENS_PER_MESSAGE = 4
 # length is not known either (a counter built without max_model_len).
 MEDIA_TOKENS_UNKNOWN_CONTEXT = 32_768
 
+# A text longer than this many characters per token of the context is first tokenized by its
+# beginning (see TokenCounter._encode_ids). Joining text after a cut can merge a few tokens at
+# the cut; past the margin, the whole text surely holds more tokens than the beginning's count
+# minus the margin, hence more than the context.
+PROBE_CHARS_PER_CONTEXT_TOKEN = 8
+PROBE_MARGIN_TOKENS = 64
+
 ContentFormat = Literal["auto", "string", "openai"]
 
 # vLLM 0.32's answer to a request template it was not told to trust (400, BadRequestError),
@@ -821,7 +828,22 @@ class TokenCounter:
         return len(self._encode_ids(text, add_special_tokens))
 
     def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids: list[int] = self._own_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+        """The token ids of `text`, or, for a text far longer than the context, the ids of a
+        beginning that alone holds more tokens than the context: vLLM refuses (or truncates)
+        such a prompt either way, and tokenizing megabytes of it would cost seconds of a
+        tokenizer thread and a gigabyte of memory for nothing. The beginning doubles until it
+        holds that many tokens or is the whole text, so a legitimate prompt costs at most
+        twice its own tokenization."""
+        tokenizer = self._own_tokenizer()
+        limit = self._max_model_len
+        if limit is not None:
+            probe = PROBE_CHARS_PER_CONTEXT_TOKEN * limit
+            while probe < len(text):
+                head: list[int] = tokenizer.encode(text[:probe], add_special_tokens=add_special_tokens)
+                if len(head) >= limit + PROBE_MARGIN_TOKENS:
+                    return head
+                probe *= 2
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return ids
 
     # request templates -------------------------------------------------------------------
