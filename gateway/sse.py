@@ -86,8 +86,14 @@ def _choice_tokens(choice: Mapping[str, Any]) -> int:
         for key in ("content", "reasoning_content", "reasoning"):
             if delta.get(key):
                 return 1
-        return 1 if delta.get("tool_calls") else 0
-    return 1 if choice.get("text") else 0  # completions stream
+        if delta.get("tool_calls"):
+            return 1
+    elif choice.get("text"):  # completions stream
+        return 1
+    # The event that ends a choice carries its last token even when that token has no text: an
+    # end-of-sequence token arrives as "" with finish_reason "stop" (vLLM counts it in usage).
+    finish = choice.get("finish_reason")
+    return 1 if isinstance(finish, str) and finish else 0
 
 
 class StreamTally:

@@ -24,8 +24,9 @@ CHAT_STREAM = b"".join(
         event({"choices": [{"index": 0, "delta": {"content": "Hel"}}]}),
         event({"choices": [{"index": 0, "delta": {"content": "lo"}}]}),
         event({"choices": [{"index": 1, "delta": {"content": "Hi"}}]}),
-        event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}),
-        event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}}),
+        # As vLLM ends a choice with its end-of-sequence token: no text, finish_reason "stop".
+        event({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]}),
+        event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}}),
         event("[DONE]"),
     ]
 )
@@ -34,9 +35,9 @@ CHAT_STREAM = b"".join(
 def test_counts_chat_deltas_per_choice_and_reads_usage() -> None:
     tally = StreamTally()
     growth = tally.feed(CHAT_STREAM)
-    assert growth == [(0, 1), (0, 1), (1, 1)]
-    assert tally.tokens_by_choice == {0: 2, 1: 1}
-    assert tally.usage == Usage(9, 3)
+    assert growth == [(0, 1), (0, 1), (1, 1), (0, 1)]
+    assert tally.tokens_by_choice == {0: 3, 1: 1}
+    assert tally.usage == Usage(9, 4)
     assert tally.done
     assert not tally.error
 
@@ -79,8 +80,8 @@ def test_any_chunking_gives_the_same_counts(cuts: list[int]) -> None:
     tally = StreamTally()
     for piece in pieces:
         tally.feed(piece)
-    assert tally.tokens_by_choice == {0: 2, 1: 1}
-    assert tally.usage == Usage(9, 3)
+    assert tally.tokens_by_choice == {0: 3, 1: 1}
+    assert tally.usage == Usage(9, 4)
 
 
 def body_usage(body: bytes, cuts: list[int] | None = None) -> Usage | None:

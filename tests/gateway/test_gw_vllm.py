@@ -445,3 +445,35 @@ def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
         assert second.retries_taken >= 1
         assert first.result().status_code == 200
         kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("length", [1, 5, 40])
+def test_streamed_tokens_are_counted_as_vllm_counts_them(vllm_url: str, route: str, length: int) -> None:
+    """Without usage in the stream, kvgate learns an answer's length from its events: every
+    token, the end-of-sequence one (an empty text with finish_reason "stop") included, as
+    vLLM's own usage counts them."""
+    from gateway.sse import StreamTally
+
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 100, "stream": True, "n": 2}
+    body["vllm_xargs"] = {OUTPUT_TOKENS_FIELD: length}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "Tell me a story"}]
+    else:
+        body["prompt"] = "Once upon a time"
+    plain = httpx.post(
+        f"{vllm_url}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, timeout=60
+    )
+    with_usage = {**body, "stream_options": {"include_usage": True}}
+    counted = httpx.post(
+        f"{vllm_url}/v1/{'chat/' if route == 'chat' else ''}completions", json=with_usage, timeout=60
+    )
+    assert plain.status_code == counted.status_code == 200
+    tally = StreamTally()
+    tally.feed(plain.content)
+    reported = StreamTally()
+    reported.feed(counted.content)
+    assert reported.usage is not None
+    assert reported.usage.completion_tokens == 2 * length  # the forced lengths, by vLLM's count
+    assert tally.usage is None
+    assert tally.tokens_by_choice == {0: length, 1: length}
