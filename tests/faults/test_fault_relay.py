@@ -35,6 +35,8 @@ from faultkit import (
     RECORDER_METRICS,
     Served,
     gateway_idle,
+    kvgate_process,
+    ledger_balanced,
     poll_until,
     recording_backend,
     served_gateway,
@@ -410,6 +412,25 @@ def test_a_huge_answer_broken_off_is_truncated_for_the_client() -> None:
         kvgate.wait_until(gateway_idle, what="the ledger to balance")
     assert len(logs.requests()) == 2
     assert_resets_logged_below_error(logs)
+
+
+def test_kvgate_serve_resets_a_huge_answer_broken_off(tmp_path: Path) -> None:
+    """The same under `kvgate serve` itself (its event loop is uvloop where installed)."""
+    with (
+        hostile_backend(huge_answer(cut_after_bytes=4 * PLAIN_HOLD_BYTES)) as (_, url),
+        kvgate_process(url, tmp_path / "kvgate.log", settings={"log_level": "info"}) as kvgate,
+    ):
+        sock = open_request(kvgate.url, post_head({"prompt": "x"}))
+        received = bytearray()
+        with sock, pytest.raises(ConnectionResetError):
+            read_into(sock, received)
+        assert received.startswith(b"HTTP/1.1 200")
+        poll_until(lambda: ledger_balanced(kvgate.state()), what="the ledger to balance")
+        poll_until(lambda: "connection reset:" in kvgate.output(), what="the reset's log line")
+        output = kvgate.output()
+    assert "upstream_truncated" in output
+    assert " ERROR " not in output
+    assert "without completing response" not in output
 
 
 def test_a_plain_answer_broken_off_early_is_still_a_clean_502() -> None:
