@@ -2,11 +2,13 @@
 
 - A client that stops reading its stream: the client write timeout ends the request, the
   backend is told to stop (the emulator aborts it), the reservation is released and the request
-  line says why. A client that only pauses keeps its stream, and its pause is not learned as
+  line says why; the connection ends with a reset (kvgate's socket and its buffers gone at
+  once) and no ERROR line. A client that only pauses keeps its stream, and its pause is not learned as
   the backend's pace.
 - A backend that sends a plain answer of 200+ MB slowly: relayed as it comes with kvgate's
   memory bounded by a small multiple of its read buffer, every byte delivered, usage learned;
-  broken off after bytes went out, the client sees a truncated answer. And the real testbed's
+  broken off after bytes went out, the client sees a reset, never a clean end (under
+  `kvgate serve` too). And the real testbed's
   answers of megabytes (echo with logprobs, chat with prompt_logprobs after its usage): whole,
   and their usage learned as vLLM counted it.
 - A backend that reports negative, mistyped, huge or absurd usage: the answer is relayed as it
