@@ -175,6 +175,11 @@ def header_limited_protocol(
     from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+    if not callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)):
+        # Another uvicorn than the one this was written against (0.54): cut answers then end
+        # as uvicorn ends them (an ERROR line, a graceful close).
+        log.warning("this uvicorn starts requests otherwise: incomplete answers will not be reset")
+
     class HeaderLimitedProtocol(HttpToolsProtocol):
         _head_bytes = 0
         _in_head = True
