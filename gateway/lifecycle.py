@@ -14,27 +14,34 @@
   idle connection is closed after CLIENT_KEEPALIVE_TIMEOUT_S; at most `max_client_connections`
   connections are open (503 and closed beyond). Bodies are bounded by the app: `max_body_bytes`
   (413) and `body_timeout_s` (408). See `header_limited_protocol`.
+- A response the app started but ended without completing (the relay's `client_write_timeout`
+  and `upstream_truncated`, or an exception mid-answer) ends its connection with a reset: the
+  kernel's buffers for it are dropped at once and the client cannot take the cut answer for a
+  whole one. See `reset_connection`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import resource
 import signal
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
-from gateway.request_id import new_request_id
+from gateway.request_id import new_request_id, request_id_of
 from gateway.service import BackendGateway
 from gateway.settings import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -49,6 +56,8 @@ log = logging.getLogger(__name__)
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # uvicorn's default: an idle connection between two requests is closed after this long.
 CLIENT_KEEPALIVE_TIMEOUT_S = 5
+# SO_LINGER on with a zero timeout: close() resets the connection and drops what is unsent.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 # Descriptors kept beside client and backend connections: the listener, the tokenizer's and
 # the log's files, the loop's own.
 DESCRIPTOR_HEADROOM = 64
@@ -119,6 +128,19 @@ def _error_answer(status_line: str, message: str, error_type: str, code: str, *e
     return head.encode() + body
 
 
+def reset_connection(transport: asyncio.Transport) -> None:
+    """End the connection with a TCP reset. `transport.abort()` alone only drops the transport's
+    own buffer: the kernel then still sends what it holds, ends with a FIN (a clean end to a
+    client that reads to the end) and, for a client that reads nothing, keeps the socket and up
+    to megabytes of its buffer for minutes. Works for asyncio's and uvloop's transports."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        # Already gone: abort() below is all there is to do.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    transport.abort()
+
+
 def header_limited_protocol(
     max_header_bytes: int,
     *,
@@ -142,11 +164,21 @@ def header_limited_protocol(
       before anything is read: a flood of idle connections costs a descriptor each for an
       instant, not for the header timeout, and never exhausts the process's descriptors.
       uvicorn's own `limit_concurrency` would count them all the way to their headers and then
-      refuse ordinary requests too.
+      refuse ordinary requests too;
+    - a response that the app started and then returned (or raised) without completing ends its
+      connection with a reset (`reset_connection`), logged at INFO with its request id, where
+      uvicorn would log an ERROR and close the connection gracefully (the request's log line
+      says why it ended; an exception is still logged as uvicorn does).
 
     The app bounds the time a body may take to arrive (`body_timeout_s`, 408) and its size
     (`max_body_bytes`, 413)."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+    if not callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)):
+        # Another uvicorn than the one this was written against (0.54): cut answers then end
+        # as uvicorn ends them (an ERROR line, a graceful close).
+        log.warning("this uvicorn starts requests otherwise: incomplete answers will not be reset")
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
         _head_bytes = 0
@@ -197,6 +229,34 @@ def header_limited_protocol(
                 # Until the body is complete, an answer closes the connection (and says so).
                 self._keep_alive_after_body = self.cycle.keep_alive
                 self.cycle.keep_alive = False
+
+        def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+            # uvicorn starts every request's app here (the first one and pipelined ones). What
+            # it does when the app returns with the response incomplete (an ERROR line, then a
+            # graceful close) is decided in its cycle's run_asgi; the app, wrapped, gets there
+            # first. A test in tests/faults/test_fault_relay.py pins this on the installed
+            # uvicorn.
+            async def app_then_reset(
+                scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+            ) -> None:
+                try:
+                    await app(scope, receive, send)
+                except BaseException:
+                    if cycle.response_started and not cycle.response_complete:
+                        reset_connection(cycle.transport)  # uvicorn then logs the exception
+                    raise
+                if cycle.response_started and not cycle.response_complete and not cycle.disconnected:
+                    reset_connection(cycle.transport)
+                    # As connection_lost will find it: run_asgi then has nothing to report.
+                    cycle.disconnected = True
+                    log.info(
+                        "connection reset: the answer to %s %s ended incomplete",
+                        cycle.scope["method"],
+                        cycle.scope["path"],
+                        extra={"request_id": request_id_of(cast("dict[str, Any]", cycle.scope))},
+                    )
+
+            super()._start_asgi_task(cycle, app_then_reset)
 
         def on_body(self, body: bytes) -> None:
             if not self._refused:
@@ -340,19 +400,22 @@ def serve(
     `load_settings` re-reads the settings for reloads (None: no reloads)."""
     reloader = Reloader(app, load_settings) if load_settings is not None else None
     app.state.reloader = reloader
-    config = uvicorn.Config(
-        app,
-        http=header_limited_protocol(
+    config = uvicorn.Config(app, **server_options(settings), **options)
+    KvgateServer(config, app=app, reloader=reloader).run()
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn.Config options that make kvgate's HTTP server (see the module docstring)."""
+    return {
+        "http": header_limited_protocol(
             settings.max_header_bytes,
             header_timeout_s=settings.header_timeout_s,
             max_client_connections=client_connection_limit(settings),
         ),
-        h11_max_incomplete_event_size=settings.max_header_bytes,
-        timeout_keep_alive=CLIENT_KEEPALIVE_TIMEOUT_S,
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
-        **options,
-    )
-    KvgateServer(config, app=app, reloader=reloader).run()
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "timeout_keep_alive": CLIENT_KEEPALIVE_TIMEOUT_S,
+        "timeout_graceful_shutdown": math.ceil(settings.shutdown_grace_s),
+    }
 
 
 def client_connection_limit(settings: Settings) -> int:

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
+from gateway.lifecycle import server_options
 from gateway.service import BackendGateway
 from gateway.settings import Settings
 from sim.config import SimConfig
@@ -335,7 +336,8 @@ def served_gateway(
     send_buffer_bytes: int | None = None,
     **overrides: Any,
 ) -> Iterator[Served]:
-    """kvgate in front of `backend_url`, under uvicorn in a thread of this process.
+    """kvgate in front of `backend_url`, under uvicorn in a thread of this process, with the
+    HTTP server `kvgate serve` runs (`gateway.lifecycle.server_options`).
     `send_buffer_bytes` sets SO_SNDBUF on the listening socket (accepted sockets inherit it)."""
     settings = Settings(backend_url=backend_url, **{**FAST_BUDGET, **overrides})
     app = create_app(settings, token_counter=counter or TokenCounter.approximate())
@@ -345,7 +347,7 @@ def served_gateway(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     try:
-        with serving(app, sock) as loop:
+        with serving(app, sock, **server_options(settings)) as loop:
             served = Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app, loop)
             if wait_ready:
                 served.wait_until(lambda gw: gw.readiness()[0], 20, "the gateway to be ready")

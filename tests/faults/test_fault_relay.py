@@ -2,11 +2,13 @@
 
 - A client that stops reading its stream: the client write timeout ends the request, the
   backend is told to stop (the emulator aborts it), the reservation is released and the request
-  line says why. A client that only pauses keeps its stream, and its pause is not learned as
+  line says why; the connection ends with a reset (kvgate's socket and its buffers gone at
+  once) and no ERROR line. A client that only pauses keeps its stream, and its pause is not learned as
   the backend's pace.
 - A backend that sends a plain answer of 200+ MB slowly: relayed as it comes with kvgate's
   memory bounded by a small multiple of its read buffer, every byte delivered, usage learned;
-  broken off after bytes went out, the client sees a truncated answer. And the real testbed's
+  broken off after bytes went out, the client sees a reset, never a clean end (under
+  `kvgate serve` too). And the real testbed's
   answers of megabytes (echo with logprobs, chat with prompt_logprobs after its usage): whole,
   and their usage learned as vLLM counted it.
 - A backend that reports negative, mistyped, huge or absurd usage: the answer is relayed as it
@@ -35,6 +37,8 @@ from faultkit import (
     RECORDER_METRICS,
     Served,
     gateway_idle,
+    kvgate_process,
+    ledger_balanced,
     poll_until,
     recording_backend,
     served_gateway,
@@ -66,6 +70,8 @@ WIDE_STREAM: dict[str, Any] = {
     "stream": True,
 }
 SMALL_BUFFER_BYTES = 16 * 1024
+# The thread that serves a hostile backend (its server's log records are its own).
+HOSTILE_THREAD = "hostile-backend"
 
 
 class Records(logging.Handler):
@@ -82,8 +88,21 @@ class Records(logging.Handler):
         """The fields of the request log lines."""
         return [dict(r.kvgate_fields) for r in self.records if r.name == "kvgate.requests"]
 
+    def request_ids(self) -> list[str | None]:
+        """The request ids of the request log lines."""
+        return [getattr(r, "request_id", None) for r in self.records if r.name == "kvgate.requests"]
+
+    def resets(self) -> list[tuple[int, str | None]]:
+        """The level and request id of each record of a connection reset."""
+        return [
+            (r.levelno, getattr(r, "request_id", None))
+            for r in self.records
+            if r.getMessage().startswith("connection reset:")
+        ]
+
     def errors(self) -> list[logging.LogRecord]:
-        return [r for r in self.records if r.levelno >= logging.ERROR]
+        """kvgate's ERROR records (not those of the stand-in backend's server)."""
+        return [r for r in self.records if r.levelno >= logging.ERROR and r.threadName != HOSTILE_THREAD]
 
 
 @contextlib.contextmanager
@@ -125,6 +144,11 @@ def post_head(body: dict[str, Any]) -> bytes:
     ).encode() + payload
 
 
+def read_into(sock: socket.socket, received: bytearray) -> None:
+    while chunk := sock.recv(65536):
+        received += chunk
+
+
 def read_to_end(sock: socket.socket) -> bytes:
     received = bytearray()
     while chunk := sock.recv(65536):
@@ -160,12 +184,39 @@ def test_a_client_that_stops_reading_is_timed_out_and_its_request_aborted(long_s
             assert state["generation_tokens_total"] < 8 * 1000
             [line] = logs.requests()
             assert (line["outcome"], line["code"]) == ("client_gone", "client_write_timeout")
-            # What the client gets if it ever reads again: a stream cut short, then the end of
-            # the connection (no [DONE], no terminating chunk).
-            rest = read_to_end(sock)
-        assert b"[DONE]" not in rest
-        assert not rest.endswith(b"0\r\n\r\n")
+            # kvgate's end of the connection is gone, descriptor and kernel buffers alike (a
+            # graceful close would keep them while the client stays), though the client has
+            # not closed its own.
+            poll_until(lambda: not server_ends(kvgate, sock), what="kvgate's end of the connection to go")
+            # What the client gets if it ever reads again: what its own buffer held, then a
+            # reset (no [DONE], no terminating chunk, no clean end).
+            with pytest.raises(ConnectionResetError):
+                read_to_end(sock)
         assert outcomes(kvgate)["client_gone"] == 1
+    assert_resets_logged_below_error(logs)
+
+
+def server_ends(kvgate: Served, client: socket.socket) -> list[str]:
+    """The TCP states (hex, as the kernel lists them) of kvgate's ends of connections to
+    `client`: while kvgate holds the socket, or the kernel still holds its unsent bytes
+    after a graceful close, it is listed."""
+    kvgate_port = int(kvgate.url.rsplit(":", 1)[1])
+    client_port = client.getsockname()[1]
+    states = []
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for row in table:
+            local, remote, state = row.split()[1:4]
+            if int(local.split(":")[1], 16) == kvgate_port and int(remote.split(":")[1], 16) == client_port:
+                states.append(state)
+    return states
+
+
+def assert_resets_logged_below_error(logs: Records) -> None:
+    """No ERROR record (uvicorn's "returned without completing response" included), and an
+    INFO record of a reset for each request, tagged with its id."""
+    assert [r.getMessage() for r in logs.errors()] == []
+    assert logs.resets() == [(logging.INFO, request_id) for request_id in logs.request_ids()]
 
 
 def test_a_client_that_pauses_keeps_its_stream_and_the_pace_ignores_the_pause(long_sim: SimServer) -> None:
@@ -240,7 +291,7 @@ def hostile_backend(answer: Answer) -> Iterator[tuple[HostileBackend, str]]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     try:
-        with serving(backend, sock):
+        with serving(backend, sock, name=HOSTILE_THREAD):
             yield backend, f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         sock.close()
@@ -343,18 +394,45 @@ def test_a_huge_answer_broken_off_is_truncated_for_the_client() -> None:
         served_gateway(url) as kvgate,
         captured_logs() as logs,
     ):
-        lengths: list[int] = []
+        sock = open_request(kvgate.url, post_head({"prompt": "x"}))
+        received = bytearray()
+        with sock, pytest.raises(ConnectionResetError):  # not a clean end, length or no length
+            read_into(sock, received)
+        # The answer had begun; the reset drops what was still on its way (the answer is
+        # broken anyway), so the client may get less than kvgate sent.
+        assert received.startswith(b"HTTP/1.1 200")
+        kvgate.wait_until(gateway_idle, what="the ledger to balance")
+        [line] = logs.requests()
+        assert (line["outcome"], line["code"]) == ("upstream_error", "upstream_truncated")
         with httpx.stream(
             "POST", f"{kvgate.url}/v1/completions", json={"prompt": "x"}, timeout=30
         ) as response:
             assert response.status_code == 200
-            with pytest.raises(httpx.TransportError):  # the body ended before its length (or reset)
-                lengths.extend(len(chunk) for chunk in response.iter_raw())
-        received = sum(lengths)
-        assert 4 * PLAIN_HOLD_BYTES <= received < HUGE_LENGTH
+            with pytest.raises(httpx.ReadError):  # httpx's name for a reset
+                for _ in response.iter_raw():
+                    pass
         kvgate.wait_until(gateway_idle, what="the ledger to balance")
-        [line] = logs.requests()
-        assert (line["outcome"], line["code"]) == ("upstream_error", "upstream_truncated")
+    assert len(logs.requests()) == 2
+    assert_resets_logged_below_error(logs)
+
+
+def test_kvgate_serve_resets_a_huge_answer_broken_off(tmp_path: Path) -> None:
+    """The same under `kvgate serve` itself (its event loop is uvloop where installed)."""
+    with (
+        hostile_backend(huge_answer(cut_after_bytes=4 * PLAIN_HOLD_BYTES)) as (_, url),
+        kvgate_process(url, tmp_path / "kvgate.log", settings={"log_level": "info"}) as kvgate,
+    ):
+        sock = open_request(kvgate.url, post_head({"prompt": "x"}))
+        received = bytearray()
+        with sock, pytest.raises(ConnectionResetError):
+            read_into(sock, received)
+        assert received.startswith(b"HTTP/1.1 200")
+        poll_until(lambda: ledger_balanced(kvgate.state()), what="the ledger to balance")
+        poll_until(lambda: "connection reset:" in kvgate.output(), what="the reset's log line")
+        output = kvgate.output()
+    assert "upstream_truncated" in output
+    assert " ERROR " not in output
+    assert "without completing response" not in output
 
 
 def test_a_plain_answer_broken_off_early_is_still_a_clean_502() -> None:
