@@ -95,7 +95,11 @@ _RETRY_HEADERS = {
 # Refusals of kvgate's own and answers relayed from the backend, for each kind of endpoint.
 GENERATION_ERRORS: dict[str, dict[str, Any]] = {
     "400": _error("Invalid request: bad JSON or fields, context too long, larger than the KV pool"),
+    "403": _error(
+        "Raising priority (X-Kvgate-Priority high, a negative priority) without the priority token"
+    ),
     "404": _error("Unknown model"),
+    "408": _error("Request body not received within body_timeout_s"),
     "413": _error("Request body larger than max_body_bytes"),
     "429": {**_error("Shed: queue full or deadline out of reach"), "headers": _RETRY_HEADERS},
     "502": _error("The backend failed or broke the connection"),
@@ -104,6 +108,11 @@ GENERATION_ERRORS: dict[str, dict[str, Any]] = {
 }
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Admin token missing or wrong"},
+    403: {
+        "model": ErrorBody,
+        "description": "Refused as cross-site, addressed to a non-loopback host without a token, "
+        "or a reload without X-Kvgate-Admin",
+    },
     404: {"model": ErrorBody, "description": "Admin API off on this bind"},
 }
 BACKEND_ERRORS: dict[int | str, dict[str, Any]] = {
