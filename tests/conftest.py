@@ -26,21 +26,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 @pytest.fixture(scope="session")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of a real vLLM serving the tiny model (no trailing slash)."""
-    given = os.environ.get(VLLM_URL_ENV)
-    if given:
-        url = given.rstrip("/")
-        if not testbed.is_ready(url):
-            pytest.fail(f"{VLLM_URL_ENV}={url} does not answer /health")
-        yield url
-        return
     port = int(os.environ.get("KVGATE_TEST_VLLM_PORT", "8021"))
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    process = testbed.start(port, log)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        testbed.stop_process(process.pid)
-        process.wait(timeout=30)
+    with testbed.serving(VLLM_URL_ENV, tmp_path_factory.mktemp("vllm"), [], port) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

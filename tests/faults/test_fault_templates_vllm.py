@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,21 +109,9 @@ def test_absent_templates_are_served_by_both(
 @pytest.fixture(scope="module")
 def trusted_vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A vLLM testbed started with --trust-request-chat-template."""
-    given = os.environ.get(TRUSTED_URL_ENV)
-    if given:
-        url = given.rstrip("/")
-        if not testbed.is_ready(url):
-            pytest.fail(f"{TRUSTED_URL_ENV}={url} does not answer /health")
+    log_dir = tmp_path_factory.mktemp("vllm-trusted")
+    with testbed.serving(TRUSTED_URL_ENV, log_dir, ["--trust-request-chat-template"], free_port()) as url:
         yield url
-        return
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-trusted") / "vllm.log"
-    process = testbed.start(port, log, ["--trust-request-chat-template"])
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        testbed.stop_process(process.pid)
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

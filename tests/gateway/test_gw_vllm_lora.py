@@ -70,20 +70,12 @@ def write_adapter(folder: Path, model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_vllm_url(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
-    given = os.environ.get(LORA_URL_ENV)
-    if given:
-        yield given.rstrip("/")
-        return
     folder = tmp_path_factory.mktemp("lora")
     adapter = write_adapter(folder / "adapter", tiny_model_dir)
     port = int(os.environ.get("KVGATE_TEST_VLLM_LORA_PORT", "8022"))
     flags = ["--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}", "--max-lora-rank", str(RANK)]
-    process = testbed.start(port, folder / "vllm.log", flags)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        testbed.stop_process(process.pid)
-        process.wait(timeout=30)
+    with testbed.serving(LORA_URL_ENV, folder, flags, port) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

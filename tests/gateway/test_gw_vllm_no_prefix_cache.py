@@ -26,18 +26,10 @@ BLOCK_SIZE = 32
 
 @pytest.fixture(scope="module")
 def uncached_vllm_url(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
-    given = os.environ.get(URL_ENV)
-    if given:
-        yield given.rstrip("/")
-        return
     port = int(os.environ.get("KVGATE_TEST_VLLM_NO_PREFIX_CACHE_PORT", "8023"))
-    log = tmp_path_factory.mktemp("vllm-no-prefix-cache") / "vllm.log"
-    process = testbed.start(port, log, ["--no-enable-prefix-caching"])
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        testbed.stop_process(process.pid)
-        process.wait(timeout=30)
+    log_dir = tmp_path_factory.mktemp("vllm-no-prefix-cache")
+    with testbed.serving(URL_ENV, log_dir, ["--no-enable-prefix-caching"], port) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -154,6 +155,26 @@ def stop_process(pid: int, grace_s: float = 20.0) -> None:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serving(url_env: str, log_dir: Path, flags: list[str], port: int) -> Iterator[str]:
+    """Base URL of a testbed serving the tiny model with `flags`, for a test session or module:
+    the one the environment variable `url_env` names when it is set (it must answer), else one
+    started here on `port` and stopped after."""
+    given = os.environ.get(url_env)
+    if given:
+        url = given.rstrip("/")
+        if not is_ready(url):
+            raise RuntimeError(f"{url_env}={url} does not answer /health")
+        yield url
+        return
+    process = start(port, log_dir / "vllm.log", flags)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(process.pid)
+        process.wait(timeout=30)
 
 
 def main() -> int:
