@@ -161,8 +161,12 @@ def test_frozen_metrics_do_not_let_the_gateway_over_admit(kvgate: Served, sim: S
             pool.submit(httpx.post, f"{kvgate.url}/v1/completions", json=body, timeout=60) for _ in range(8)
         ]
         # Noticed while the first four run (about 2 s each).
-        poll_until(lambda: admitted() >= 0 and readyz(kvgate)[0] == 503, what="/readyz to turn false")
-        assert "frozen" in readyz(kvgate)[1]
+        # A scrape that fails otherwise on a loaded machine may be the last error for a moment:
+        # what counts is that the frozen text ends up called frozen, never trusted.
+        poll_until(
+            lambda: admitted() >= 0 and "frozen" in readyz(kvgate)[1], what="the metrics to be called frozen"
+        )
+        assert readyz(kvgate)[0] == 503
         assert_refused_as_unknown(kvgate)
         assert kvgate.call(lambda: len(kvgate.gateway.queue)) == 4  # the rest wait, unadmitted
         clear_faults(sim.url)
