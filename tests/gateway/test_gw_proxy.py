@@ -201,7 +201,9 @@ def test_the_relay_runs_beside_other_requests_on_one_connection_pool(backend: tu
             )
         return [answer.status_code for answer in answers]
 
-    with served_gateway(url) as kvgate:
+    # A burst of 40 in this process can delay a scrape past the tests' short staleness bound;
+    # this test is about the connection pool, so the budget may be as old as a loaded machine makes it.
+    with served_gateway(url, metrics_stale_after_s=5.0) as kvgate:
         assert asyncio.run(burst(kvgate.url)) == [200] * 40
         assert len(app.seen) == 40
         kvgate.wait_until(ledger_is_empty, what="the ledger to balance")

@@ -34,8 +34,14 @@ VARYING_FIELDS = ("id", "created")
 def kvgate(vllm_url: str) -> Iterator[Served]:
     # The real tokenizer, found the way `kvgate serve` finds it: from the backend's /v1/models.
     # Reservations start at the cap, as the tests here expect, whatever earlier tests sent vLLM.
+    # The queue waits long: these tests are about what vLLM does with what kvgate sends, not
+    # about deadlines, and a wait predicted from a cold pace on a loaded machine must not shed.
     with served_gateway(
-        vllm_url, discover_tokenizer=True, metrics_poll_interval_s=0.1, output_backend_prior=False
+        vllm_url,
+        discover_tokenizer=True,
+        metrics_poll_interval_s=0.1,
+        output_backend_prior=False,
+        queue_timeout_normal_s=300.0,
     ) as served:
         yield served
 
