@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -32,8 +33,10 @@ from faultkit import (
 from hostile_metrics import FIXTURE, HostileMetrics, hostile_metrics
 
 from gateway.budget import INLINE_PARSE_BYTES, MetricsPoller
-from gateway.capacity import BudgetState, CapacityConfig, KvBudget, Reconciliation
+from gateway.capacity import BudgetState, KvBudget, Reconciliation
 from gateway.ledger import InMemoryLedger
+from gateway.service import capacity_config
+from gateway.settings import Settings
 from gateway.vllm_metrics import BackendReading
 from sim.config import SimConfig
 from sim.testing import SimServer, running_sim_server
@@ -334,18 +337,9 @@ def test_a_wide_data_parallel_backend_is_read_off_the_loop(guarded: Served, host
 
 # -- the poller itself: it survives every failure, and never ends unnoticed --------------------
 
-CAPACITY = CapacityConfig(
-    stale_after_s=0.5,
-    settle_s=0.05,
-    unknown_is_saturated=True,
-    down_after_failures=2,
-    min_fraction=0.5,
-    max_fraction=1.0,
-    initial_fraction=1.0,
-    decrease_factor=0.8,
-    increase_per_s=0.02,
-    quiet_s=5.0,
-    decrease_cooldown_s=2.0,
+# kvgate's own defaults, with the short staleness and settling the poller tests wait on.
+CAPACITY = replace(
+    capacity_config(Settings(backend_url="http://127.0.0.1:1")), stale_after_s=0.5, settle_s=0.05
 )
 
 
