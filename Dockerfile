@@ -7,7 +7,7 @@
 # reaches the final image.
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md NOTICE ./
 COPY estimator ./estimator
 COPY gateway ./gateway
 COPY bench ./bench

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -26,6 +27,15 @@ T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_SEED = 0
+# The modules of pyproject's `bench` extra (a test keeps the two alike). The base install
+# lacks them, and matplotlib is imported only when the plots are drawn, after the whole run:
+# `main` checks them all before anything starts.
+BENCH_EXTRA_MODULES: tuple[str, ...] = ("matplotlib", "rich", "numpy", "h11")
+# The rest of the extra: peer gateways that benchmarks run beside kvgate (tests/benchmarks/fleet.py),
+# as distributions; `kvgate bench` runs without them.
+BENCH_EXTRA_PEERS: tuple[str, ...] = ("sglang-router",)
+BENCH_EXTRA_INSTALL = "pip install 'kvgate[bench]' (in a clone of kvgate: pip install -e '.[bench]')"
+CLIENT_KINDS = ("deadline", "ttft", "both")
 
 
 def register(subparsers: Any) -> None:
@@ -75,6 +85,22 @@ def register(subparsers: Any) -> None:
         type=float,
         metavar="S",
         help="first-token objective for goodput (default 2 s; sent as X-Kvgate-TTFT-Ms only when given)",
+    )
+    parser.add_argument(
+        "--clients",
+        choices=CLIENT_KINDS,
+        help="the kind of client replayed, by the headers it sends: deadline (X-Kvgate-Deadline-Ms "
+        "only, gives up at --deadline), ttft (X-Kvgate-TTFT-Ms only, waits for the whole answer; "
+        "no --deadline), both (both headers, gives up at --deadline); default: the headers of "
+        "whichever of --deadline and --ttft-slo is given. --ttft-slo (default 2 s) stays the "
+        "objective of first-token goodput for every kind",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="tell the targets each request's true output length in X-Kvgate-Expected-Output-Tokens "
+        "(kvgate then reserves it instead of its learned estimate; vLLM ignores it): the learned "
+        "model against perfect knowledge",
     )
     parser.add_argument(
         "--header", action="append", default=[], metavar="K:V", help="extra request header (repeatable)"
@@ -158,10 +184,49 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=main)
 
 
+def client_headers(
+    clients: str | None, deadline_s: float | None, ttft_slo_s: float | None, default_ttft_slo_s: float
+) -> tuple[float | None, float | None]:
+    """The deadline and first-token objective a kind of client sends as headers (seconds,
+    None for a header not sent); ValueError for a kind that contradicts the flags."""
+    if clients is None:
+        return deadline_s, ttft_slo_s
+    if clients == "ttft":
+        if deadline_s is not None:
+            raise ValueError(
+                "ttft clients have no deadline (they wait for the whole answer): drop --deadline"
+            )
+        return None, ttft_slo_s if ttft_slo_s is not None else default_ttft_slo_s
+    if deadline_s is None:
+        raise ValueError(f"{clients} clients need --deadline")
+    if clients == "deadline":
+        return deadline_s, None
+    return deadline_s, ttft_slo_s if ttft_slo_s is not None else default_ttft_slo_s
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    """The modules among `names` that cannot be imported (missing, or broken installs)."""
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(args: argparse.Namespace) -> int:
     from bench.prompts import PromptError
     from bench.workload import WorkloadError
 
+    missing = missing_modules(BENCH_EXTRA_MODULES)
+    if missing:
+        print(
+            f"kvgate bench needs {', '.join(missing)} from the `bench` extra, not installed here: "
+            f"{BENCH_EXTRA_INSTALL}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return _bench(args)
     except (WorkloadError, PromptError, ValueError, RuntimeError, OSError) as exc:
@@ -205,7 +270,11 @@ def _bench(args: argparse.Namespace) -> int:
         plan_requests,
     )
     from bench.prompts import PromptFactory
+    from bench.report import DEFAULT_TTFT_SLO_S
 
+    deadline_header_s, ttft_header_s = client_headers(
+        args.clients, args.deadline, args.ttft_slo, DEFAULT_TTFT_SLO_S
+    )
     console = Console(stderr=True)
     log: Callable[[str], None] = console.print
     targets = [t.rstrip("/").removesuffix("/v1") for t in args.target]
@@ -277,8 +346,9 @@ def _bench(args: argparse.Namespace) -> int:
         forcing=forcing,
         eos_token_id=eos,
         token_ids=not args.no_token_ids,
-        deadline_s=args.deadline,
-        ttft_slo_s=args.ttft_slo,
+        deadline_s=deadline_header_s,
+        ttft_slo_s=ttft_header_s,
+        oracle=args.oracle,
         headers=headers,
     )
     plan = plan_requests(work.requests, prompts, options)
@@ -304,6 +374,10 @@ def _bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "deadline_s": args.deadline,
         "ttft_slo_s": args.ttft_slo,
+        "clients": args.clients,
+        "headers_deadline_s": deadline_header_s,
+        "headers_ttft_s": ttft_header_s,
+        "oracle": args.oracle,
         "seed": args.seed,
         "output_forcing": forcing.value,
         "eos_token_id": eos,

@@ -45,6 +45,9 @@ TENANT_HEADER = "X-Kvgate-Tenant"
 PRIORITY_HEADER = "X-Kvgate-Priority"
 DEADLINE_HEADER = "X-Kvgate-Deadline-Ms"
 TTFT_HEADER = "X-Kvgate-TTFT-Ms"
+# The output length a client expects (completion tokens); kvgate reserves it instead of its
+# learned estimate. The bench's oracle (`oracle`) sends every request's true forced length in it.
+EXPECTED_OUTPUT_HEADER = "X-Kvgate-Expected-Output-Tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,8 @@ class PayloadOptions:
     the cap with random weights). `token_ids` asks vLLM to return the generated token ids in every
     chunk (`return_token_ids`), which makes the client's own token count exact even for a
     stream cut short. `deadline_s` / `ttft_slo_s` become the X-Kvgate deadline headers.
+    `oracle` tells the gateway each request's true output length (`EXPECTED_OUTPUT_HEADER`),
+    to measure how far its learned estimate is from perfect knowledge.
     """
 
     model: str
@@ -67,6 +72,7 @@ class PayloadOptions:
     token_ids: bool = True
     deadline_s: float | None = None
     ttft_slo_s: float | None = None
+    oracle: bool = False
     headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -94,6 +100,11 @@ def max_tokens_for(spec: RequestSpec, options: PayloadOptions) -> int:
     return max(cap, 1)
 
 
+def forced_output_tokens(spec: RequestSpec) -> int:
+    """The length a forced answer has: the trace's, at least one token (the EOS)."""
+    return max(1, spec.output_tokens)
+
+
 def build_body(spec: RequestSpec, prompt: str, options: PayloadOptions) -> dict[str, Any]:
     body: dict[str, Any] = {"model": options.model}
     if options.api == "chat":
@@ -102,7 +113,7 @@ def build_body(spec: RequestSpec, prompt: str, options: PayloadOptions) -> dict[
         body["prompt"] = prompt
     body["max_tokens"] = max_tokens_for(spec, options)
     if options.forcing is Forcing.XARGS:
-        body["vllm_xargs"] = {OUTPUT_TOKENS_FIELD: max(1, spec.output_tokens)}
+        body["vllm_xargs"] = {OUTPUT_TOKENS_FIELD: forced_output_tokens(spec)}
     elif options.forcing is Forcing.MIN_TOKENS:
         body["min_tokens"] = max(0, spec.output_tokens - 1)
         body["logit_bias"] = {str(options.eos_token_id): EOS_LOGIT_BIAS}
@@ -123,6 +134,8 @@ def build_headers(spec: RequestSpec, options: PayloadOptions) -> tuple[tuple[str
         headers.append((DEADLINE_HEADER, str(round(options.deadline_s * 1000))))
     if options.ttft_slo_s is not None:
         headers.append((TTFT_HEADER, str(round(options.ttft_slo_s * 1000))))
+    if options.oracle:
+        headers.append((EXPECTED_OUTPUT_HEADER, str(forced_output_tokens(spec))))
     headers.extend(options.headers)
     return tuple(headers)
 

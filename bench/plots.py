@@ -84,7 +84,7 @@ def plot_timeseries(results: Sequence[RunResult], path: Path) -> None:
         ("kv_usage", "vLLM KV-cache usage (fraction)"),
         ("busy", "vLLM requests running + waiting"),
         ("queue_depth", "kvgate queue depth"),
-        ("plain_queue_wait_s", "kvgate: wait in a queue that sheds nothing (s)"),
+        ("budget_fraction", "kvgate: admissible share of the KV pool"),
     )
     for i, result in enumerate(results):
         for source in dict.fromkeys(p.source for p in result.samples):

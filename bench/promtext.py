@@ -3,7 +3,8 @@
 One scrape becomes a `Reading`: kvgate's queue depth and the wait it predicts for a queue that
 sheds nothing, and vLLM's KV usage, running and waiting
 requests, and the counters whose deltas the report needs (preemptions, generated and prompt
-tokens, prompt tokens found in the prefix cache). Series are summed over their labels (engines, models, priorities), except KV usage,
+tokens, prompt tokens found in the prefix cache, and the prefix cache's queried and hit tokens,
+whose ratio is its hit rate). Series are summed over their labels (engines, models, priorities), except KV usage,
 a fraction, which is averaged over engines.
 
 Parsing uses prometheus_client's text parser on the lines of interest only: a vLLM scrape is
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # gpu_cache_usage_perc; counters appear with their `_total` suffix.
 SAMPLE_FIELDS: Mapping[str, str] = {
     "kvgate_queue_depth": "queue_depth",
-    "kvgate_plain_queue_wait_seconds": "plain_queue_wait_s",
+    "kvgate_budget_fraction": "budget_fraction",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:gpu_cache_usage_perc": "kv_usage",
     "vllm:num_requests_running": "running",
@@ -30,6 +31,10 @@ SAMPLE_FIELDS: Mapping[str, str] = {
     "vllm:generation_tokens_total": "generation_tokens_total",
     "vllm:prompt_tokens_total": "prompt_tokens_total",
     "vllm:prompt_tokens_cached_total": "prompt_tokens_cached_total",
+    # Tokens looked up in the local prefix cache and tokens found there; a preempted request
+    # is looked up again when it is rescheduled, unlike prompt_tokens, counted once.
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
 }
 # Families as the parser names them: counters lose their `_total`.
 _FAMILIES = frozenset(name.removesuffix("_total") for name in SAMPLE_FIELDS) | frozenset(SAMPLE_FIELDS)
@@ -40,7 +45,7 @@ class Reading:
     """One scrape of one /metrics URL. A field is None when the scrape did not have it."""
 
     queue_depth: float | None = None
-    plain_queue_wait_s: float | None = None
+    budget_fraction: float | None = None
     kv_usage: float | None = None
     running: float | None = None
     waiting: float | None = None
@@ -48,6 +53,8 @@ class Reading:
     generation_tokens_total: float | None = None
     prompt_tokens_total: float | None = None
     prompt_tokens_cached_total: float | None = None
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
 
     @property
     def is_vllm(self) -> bool:

@@ -15,6 +15,9 @@ from bench.promtext import Reading
 from bench.records import RequestRecord, RunResult
 
 DEFAULT_TTFT_SLO_S = 2.0
+# A refusal is early when it comes this soon after the request was sent (issue 20: at least
+# 98% of 429s within 1 s of arrival).
+PROMPT_REFUSAL_S = 1.0
 
 DEFINITIONS = """\
 - outcome of a request: `shed` when answered 429 or 503; `late` when the client gave up at its
@@ -33,6 +36,9 @@ DEFINITIONS = """\
   what clients received, and the client side is the one to trust. vLLM counts a request's
   prompt once, at its first token; when its prompt-token counter moved by more than all the
   prompts this run sent, someone else used the backend meanwhile and the report says so.
+- refusals (429 and 503, `shed`): the share that came within 1 s of the request's start, and
+  how many came after the request's own deadline (`--deadline`; none without one) or after its
+  first-token objective; a refusal after either is one the client could no longer use.
 - TTFT over requests that received a token; TPOT (time per output token after the first) and
   end-to-end latency over `ok` requests; time to a rejection over `shed` requests.
 - fairness: each tenant's served fraction x = useful output tokens / output tokens it asked
@@ -142,6 +148,9 @@ class Summary:
     e2e_s: Percentiles
     itl_s: Percentiles
     time_to_rejection_s: Percentiles
+    refusals_within_1s_share: float | None  # None without refusals
+    refusals_after_deadline: int | None  # None without a deadline
+    refusals_after_ttft_slo: int
     retry_after_s: Percentiles
     start_lag_s: Percentiles
     start_lag_max_s: float | None
@@ -242,6 +251,7 @@ def summarize(
     ]
     lags = [r.start_lag_s for r in records]
     shares, jain = tenant_shares(records, outcomes)
+    refusal_s = [r.e2e_s for r in shed_records if r.e2e_s is not None]
     return Summary(
         target=result.target,
         sent=len(records),
@@ -276,7 +286,12 @@ def summarize(
         tpot_s=Percentiles.of(tpots),
         e2e_s=Percentiles.of([r.e2e_s for r in ok_records if r.e2e_s is not None]),
         itl_s=Percentiles.of([g for r in ok_records for g in r.gaps_s]),
-        time_to_rejection_s=Percentiles.of([r.e2e_s for r in shed_records if r.e2e_s is not None]),
+        time_to_rejection_s=Percentiles.of(refusal_s),
+        refusals_within_1s_share=(
+            sum(1 for s in refusal_s if s <= PROMPT_REFUSAL_S) / len(refusal_s) if refusal_s else None
+        ),
+        refusals_after_deadline=(None if deadline_s is None else sum(1 for s in refusal_s if s > deadline_s)),
+        refusals_after_ttft_slo=sum(1 for s in refusal_s if s > ttft_slo_s),
         retry_after_s=Percentiles.of([r.retry_after_s for r in shed_records if r.retry_after_s is not None]),
         start_lag_s=Percentiles.of(lags),
         start_lag_max_s=max(lags) if lags else None,
@@ -316,6 +331,9 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("e2e p90 s", "e2e_s.p90", "{:.3f}"),
     ("e2e p99 s", "e2e_s.p99", "{:.3f}"),
     ("time to rejection p99 s", "time_to_rejection_s.p99", "{:.3f}"),
+    ("refusals within 1 s", "refusals_within_1s_share", "{:.1%}"),
+    ("refusals after the deadline", "refusals_after_deadline", "{:.0f}"),
+    ("refusals after the TTFT objective", "refusals_after_ttft_slo", "{:.0f}"),
     ("Jain's fairness index", "jain_index", "{:.3f}"),
     ("start lag p99 ms", "start_lag_ms_p99", "{:.2f}"),
 )

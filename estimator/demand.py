@@ -125,7 +125,8 @@ class Demand:
     sequence never grows past `max_model_len` tokens (vLLM stops it at the context), so a long
     prompt's sequences stop sooner than `max_output_tokens`, the cap of the shortest prompt.
     `shares_prefix`: the samples of one prompt share its full blocks (prefix caching on and
-    read by this request).
+    read by this request). `floor_output_tokens`: what every sequence is certain to produce
+    (`min_tokens`, or the cap with `ignore_eos`), <= the expected output.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -135,12 +136,15 @@ class Demand:
     cost: BlockCost
     shares_prefix: bool = False
     max_model_len: int | None = None
+    floor_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise ValueError("a demand needs at least one prompt")
         if not 0 <= self.expected_output_tokens <= self.max_output_tokens:
             raise ValueError("expected output must lie between 0 and the output cap")
+        if not 0 <= self.floor_output_tokens <= self.expected_output_tokens:
+            raise ValueError("the output floor must lie between 0 and the expected output")
         if self.samples_per_prompt < 1:
             raise ValueError("a demand needs at least one sample per prompt")
 
@@ -178,6 +182,11 @@ class Demand:
     def reserved_blocks(self) -> int:
         """Blocks the gateway reserves: prompt plus the expected output."""
         return self.blocks_at(self.expected_output_tokens)
+
+    @property
+    def floor_blocks(self) -> int:
+        """Blocks the request is certain to come to hold: prompt plus the output floor."""
+        return self.blocks_at(self.floor_output_tokens)
 
     @property
     def max_blocks(self) -> int:
@@ -355,4 +364,5 @@ def demand_of(
         cost=cost,
         shares_prefix=rules.prefix_caching and reads_prefix_cache(route, body),
         max_model_len=rules.max_model_len,
+        floor_output_tokens=min(max(limits.floor, 0), expected),
     )

@@ -4,7 +4,9 @@
 same body: for chat requests it renders the model's chat template exactly as vLLM's OpenAI server
 does (message normalisation, content parts, tools, documents, template kwargs, generation prompt)
 and tokenizes the result without special tokens unless the request asks for them; for completions
-it tokenizes each prompt with special tokens, or counts the token ids it is given.
+it tokenizes each prompt with special tokens, or counts the token ids it is given. Asked for a
+block size, it also hashes the full blocks of the first prompt's token ids (estimator.prefix), so
+that a router can tell which backend may still cache the prompt's beginning.
 
 Counting is synchronous, CPU-bound and thread-safe without a lock: every thread that counts has
 a copy of the tokenizer of its own (see `TokenCounter.prepare_thread`), so a large body being
@@ -43,6 +45,7 @@ import jinja2.parser
 import jinja2.sandbox
 
 from estimator.media import MEDIA_MARKUP_TOKENS, MediaProfile, Modality
+from estimator.prefix import chained_block_hashes
 
 # Without a tokenizer, text is counted as UTF-8 bytes over this ratio: about right for English
 # BPE vocabularies and deliberately on the high side for code and non-Latin scripts.
@@ -164,10 +167,18 @@ def template_failure(exc: BaseException) -> ChatTemplateError:
 @dataclass(frozen=True, slots=True)
 class PromptCount:
     """Prompt tokens of one request. A completions request may carry several prompts, each of
-    which vLLM runs as its own sequence; `tokens` is their sum."""
+    which vLLM runs as its own sequence; `tokens` is their sum.
+
+    `block_hashes` are the chained hashes (estimator.prefix) of the full blocks of the first
+    prompt's token ids, at the block size `TokenCounter.count` was asked for. Empty when not
+    asked, or when the ids vLLM will run are not known: counted approximately (no tokenizer or
+    no template), with media parts (their placeholder tokens are equal for different media), a
+    text too long for the context (only its beginning was tokenized), or a prompt truncated
+    (`truncate_prompt_tokens` or the template's `max_length`)."""
 
     per_prompt: tuple[int, ...]
     exact: bool
+    block_hashes: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -207,10 +218,12 @@ def _expect_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def _is_token_ids(value: Any) -> bool:
+    # The element types are collected in C (a genexpr over a million ids took 0.5 s of a
+    # tokenizer thread holding the interpreter lock, against tens of ms this way).
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        and all(issubclass(kind, int) and not issubclass(kind, bool) for kind in set(map(type, value)))
     )
 
 
@@ -828,12 +841,15 @@ class TokenCounter:
         return len(self._encode_ids(text, add_special_tokens))
 
     def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._encode_ids_whole(text, add_special_tokens)[0]
+
+    def _encode_ids_whole(self, text: str, add_special_tokens: bool) -> tuple[list[int], bool]:
         """The token ids of `text`, or, for a text far longer than the context, the ids of a
         beginning that alone holds more tokens than the context: vLLM refuses (or truncates)
         such a prompt either way, and tokenizing megabytes of it would cost seconds of a
         tokenizer thread and a gigabyte of memory for nothing. The beginning doubles until it
         holds that many tokens or is the whole text, so a legitimate prompt costs at most
-        twice its own tokenization."""
+        twice its own tokenization. The flag says whether the ids are the whole text's."""
         tokenizer = self._own_tokenizer()
         limit = self._max_model_len
         if limit is not None:
@@ -841,10 +857,10 @@ class TokenCounter:
             while probe < len(text):
                 head: list[int] = tokenizer.encode(text[:probe], add_special_tokens=add_special_tokens)
                 if len(head) >= limit + PROBE_MARGIN_TOKENS:
-                    return head
+                    return head, False
                 probe *= 2
         ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return ids
+        return ids, True
 
     # request templates -------------------------------------------------------------------
 
@@ -879,15 +895,32 @@ class TokenCounter:
         if not isinstance(self._request_templates, str):
             self._request_templates.close()
 
-    def count(self, route: Route, body: Mapping[str, Any]) -> PromptCount:
-        """Prompt tokens of `body` sent to `route`. Raises RequestBodyError for malformed bodies."""
+    def count(
+        self, route: Route, body: Mapping[str, Any], *, block_size: int | None = None, seed: int = 0
+    ) -> PromptCount:
+        """Prompt tokens of `body` sent to `route`. Raises RequestBodyError for malformed bodies.
+
+        With `block_size` (tokens per KV block, >= 1, else ValueError) the count also carries
+        the chained hashes of the first prompt's full blocks from `seed` (estimator.prefix:
+        prefix_seed), at most ceil(max_model_len / block_size) of them; see PromptCount for
+        when there are none. They hash the very ids that were counted: nothing is tokenized
+        twice."""
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be at least 1, not {block_size}")
         if not isinstance(body, Mapping):
             raise RequestBodyError("the request body must be a JSON object")
         if route is Route.CHAT:
-            counts, exact = self._count_chat(body)
+            counts, exact, first_ids = self._count_chat(body)
         else:
-            counts, exact = self._count_completions(body)
-        return PromptCount(self._truncate(body, counts), exact)
+            counts, exact, first_ids = self._count_completions(body)
+        truncated = self._truncate(body, counts)
+        hashes: tuple[int, ...] = ()
+        # A truncated prompt keeps one end or the other (the side depends on the request and
+        # the tokenizer): its ids are not known for sure, so it claims no blocks.
+        if block_size is not None and first_ids is not None and truncated[0] == counts[0]:
+            max_blocks = None if self._max_model_len is None else -(-self._max_model_len // block_size)
+            hashes = chained_block_hashes(first_ids, block_size, seed, max_blocks)
+        return PromptCount(truncated, exact, hashes)
 
     def _truncate(self, body: Mapping[str, Any], counts: tuple[int, ...]) -> tuple[int, ...]:
         """vLLM keeps only the last `truncate_prompt_tokens` tokens (-1: max_model_len)."""
@@ -906,16 +939,17 @@ class TokenCounter:
 
     # chat ---------------------------------------------------------------------------------
 
-    def _count_chat(self, body: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
+    def _count_chat(self, body: Mapping[str, Any]) -> tuple[tuple[int, ...], bool, Sequence[int] | None]:
+        """The count, whether it is exact, and the prompt's ids when they are those vLLM runs."""
         rendered = self.render_chat(body)
         if isinstance(rendered, int):
-            return (rendered,), False
-        ids = self._encode_ids(rendered.prompt, rendered.add_special_tokens)
+            return (rendered,), False, None
+        ids, whole = self._encode_ids_whole(rendered.prompt, rendered.add_special_tokens)
         tokens = len(ids) if rendered.max_length is None else min(len(ids), rendered.max_length)
         if rendered.media:
             with_media, exact = self._with_media(tokens, ids, list(rendered.media), body)
-            return (with_media,), exact
-        return (tokens,), True
+            return (with_media,), exact, None
+        return (tokens,), True, ids if whole and tokens == len(ids) else None
 
     def render_chat(self, body: Mapping[str, Any]) -> RenderedChat | int:
         """The prompt text of a chat body, or its approximate token count when there is no
@@ -1085,7 +1119,11 @@ class TokenCounter:
 
     # completions --------------------------------------------------------------------------
 
-    def _count_completions(self, body: Mapping[str, Any]) -> tuple[tuple[int, ...], bool]:
+    def _count_completions(
+        self, body: Mapping[str, Any]
+    ) -> tuple[tuple[int, ...], bool, Sequence[int] | None]:
+        """The counts, whether they are exact, and the first prompt's ids when they are known
+        (token ids are known without a tokenizer too)."""
         if body.get("prompt_embeds") is not None:
             # Their length is in a serialized tensor the gateway does not decode; vLLM refuses
             # them unless started with --enable-prompt-embeds.
@@ -1100,16 +1138,23 @@ class TokenCounter:
         add_special_tokens = _expect_bool(body, "add_special_tokens", True)
         counts: list[int] = []
         exact = True
+        first_ids: Sequence[int] | None = None
         for index, prompt in enumerate(prompts):
             if isinstance(prompt, list):
                 self._check_token_ids(prompt, "prompt" if len(prompts) == 1 else f"prompt[{index}]")
                 counts.append(len(prompt))
+                if index == 0:
+                    first_ids = prompt
             elif self._tokenizer is None:
                 counts.append(max(1, math.ceil(len(prompt.encode()) / APPROX_BYTES_PER_TOKEN)))
                 exact = False
+            elif index == 0:
+                ids, whole = self._encode_ids_whole(prompt, add_special_tokens)
+                counts.append(len(ids))
+                first_ids = ids if whole else None
             else:
                 counts.append(self._encode(prompt, add_special_tokens))
-        return tuple(counts), exact
+        return tuple(counts), exact, first_ids
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         lowest, highest = min(ids), max(ids)

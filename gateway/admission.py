@@ -40,15 +40,10 @@ than left to time out; with no rate observed yet nobody is shed early. That pred
 for a queue served in order; bypassing makes small requests wait less and large ones more, and
 an optional `WaitScale` corrects an arrival's prediction for its size.
 
-Two deadlines per request: `deadline_at`, past which the client no longer waits (it is shed
-then, or as soon as that is predicted), and `objective_at`, when it wants its first token. The
-objective weighs only on a `strict` arrival, in its first plan: one that a plain queue would
-have served past its deadline (see `gateway.rates.VirtualBacklog`), i.e. one that arrives while
-the offered load is beyond what the backend can serve within the clients' patience. Predicted
-to miss its objective, it is shed at once. In a burst the backend absorbs, the same request
-still finishes in time and is served; under overload it would take the place of later
-requests that can still meet theirs. Once queued, a request is never shed for its objective:
-a late first token is better than a late 429.
+One deadline per request, `deadline_at`: the last moment it may leave the queue and still give
+the client what its headers ask for (its whole answer by `X-Kvgate-Deadline-Ms`, or its first
+token by `X-Kvgate-TTFT-Ms` alone; see `gateway.client_hints`). It is shed then, or as soon
+as missing it is predicted. docs/admission.md states the whole model with its formulas.
 """
 
 from __future__ import annotations
@@ -60,6 +55,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from gateway.capacity import BudgetSnapshot, BudgetState
+from gateway.routing import Candidate, choose
 
 
 class Priority(StrEnum):
@@ -90,7 +86,6 @@ class Reason(StrEnum):
     NO_ROOM = "no_room"
     QUEUE_FULL = "queue_full"
     DEADLINE_UNREACHABLE = "deadline_unreachable"
-    OBJECTIVE_UNREACHABLE = "objective_unreachable"  # beyond capacity, its first token would be late
     DEADLINE_EXPIRED = "deadline_expired"
     BUDGET_UNKNOWN = "budget_unknown"
     BACKEND_DOWN = "backend_down"
@@ -114,8 +109,7 @@ class Ask:
 
     `reserve_blocks` is what admitting it commits (prompt + expected output); `max_blocks` is its
     worst case (every sequence runs to its cap), checked against the pool. `deadline_at` is the
-    last moment it may still leave the queue usefully (math.inf: none); `objective_at` the last
-    moment that still meets its first-token objective (see the module docstring).
+    last moment it may still leave the queue usefully (math.inf: none).
     """
 
     reserve_blocks: int
@@ -123,46 +117,53 @@ class Ask:
     priority: Priority
     arrived_at: float
     deadline_at: float
-    objective_at: float = math.inf
+
+
+# Target name -> (reserve_blocks, max_blocks) of one request there.
+BlocksOn = Mapping[str, tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)
 class Waiter:
     """A queued request as the policy sees it. `bypassed`: admissions that overtook it;
-    `arriving`: this is its first plan; `strict`: its objective counts in this plan (an arrival
-    beyond capacity, see above)."""
+    `arriving`: this is its first plan."""
 
     key: int
     ask: Ask
     bypassed: int = 0
     arriving: bool = False
-    strict: bool = False
+    # Over a fleet: (reserve, max) blocks on each target whose block size makes them differ
+    # from the ask's, and the leading prompt blocks each target likely holds cached.
+    blocks_on: BlocksOn | None = None
+    prefix_on: Mapping[str, int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class RetryAdvice:
-    """How Retry-After is derived: the predicted drain time of the queue, within bounds."""
+# Retry-After when no drain rate is known, and its bounds otherwise: the OpenAI SDKs ignore
+# hints above 60 s (and fall back on their own backoff), and below a quarter second a retry
+# mostly finds the same queue.
+RETRY_AFTER_DEFAULT_S = 1.0
+RETRY_AFTER_MIN_S = 0.25
+RETRY_AFTER_MAX_S = 60.0
+# Overtakes after which a waiter blocks the queue even when no drain rate says its deadline
+# needs the blocks (see the module docstring).
+MAX_BYPASS = 128
 
-    default_s: float
-    min_s: float
-    max_s: float
 
-    def after(self, blocks_to_free: float, drain_rate: float | None) -> float:
-        if drain_rate is None or drain_rate <= 0:
-            return self.default_s
-        return min(self.max_s, max(self.min_s, blocks_to_free / drain_rate))
+def retry_after(blocks_to_free: float, drain_rate: float | None) -> float:
+    """Retry-After: the predicted time for `blocks_to_free` to drain, within bounds."""
+    if drain_rate is None or drain_rate <= 0:
+        return RETRY_AFTER_DEFAULT_S
+    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, blocks_to_free / drain_rate))
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     max_queued: Mapping[Priority, int]
-    max_bypass: int
-    early_shed: bool
-    retry: RetryAdvice
     # A waiter blocks the queue once its wait, were blocks held for it, reaches this share of
     # the time left to its deadline (see the module docstring). 0: no bypass once a drain rate
     # is known.
     hol_deadline_share: float = 0.5
+    max_bypass: int = MAX_BYPASS
     # An arrival must be predicted ready this share of its time to the deadline early: a
     # prediction has errors, and a request let in on a close call that then misses would be
     # shed late, after waiting for nothing.
@@ -196,30 +197,46 @@ class Plan:
     shed: tuple[tuple[int, Decision], ...]
     bypassed: tuple[tuple[int, int], ...]
     predicted: tuple[Prediction, ...] = ()
+    # The target each admitted waiter goes to, in the order of `admit`.
+    onto: tuple[str, ...] = ()
 
 
 EMPTY_PLAN = Plan((), (), ())
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One backend a queue can admit onto, as the policy sees it at one moment: its budget
+    and the rate its blocks free up (None: not measured yet)."""
+
+    name: str
+    budget: BudgetSnapshot
+    drain_rate: float | None = None
+    # Connections it may still be given (None: not counted): a request waits for one as it
+    # waits for blocks, rather than failing for lack of one once admitted.
+    free_connections: int | None = None
+    # When it was last given a request (monotonic seconds): equal targets take turns.
+    chosen_at: float = 0.0
+
+
+# The name of the only target of a single-budget call (`screen`, `overflow`, `plan`).
+ONLY = ""
+
+
 class AdmissionPolicy:
+    """The decisions over a fleet of targets (one model's backends) and, as the special case
+    of one target, over one backend. Over several, the queue is one: a waiter is admitted on
+    whichever target can take it first (`gateway.routing.choose` picks among those that can),
+    and its predicted wait is the blocks ahead of it over the fleet's combined drain rate."""
+
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
 
+    # -- one backend ------------------------------------------------------------------------
+
     def screen(self, ask: Ask, budget: BudgetSnapshot, now: float) -> Decision | None:
         """Refuse an arrival before it joins the queue, or None to let it join."""
-        retry = self.config.retry
-        # The pool size outlives a stale reading: a request larger than the whole pool is
-        # refused for what it is, not answered with "try later".
-        if budget.total_blocks > 0 and ask.max_blocks > budget.pool_limit_blocks:
-            return Decision(DecisionKind.REJECT, Reason.EXCEEDS_POOL)
-        if budget.state is BudgetState.DOWN:
-            return Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, retry.default_s)
-        # A suspect budget is settled by the next scrape, a moment away: wait for it in the queue.
-        if not budget.known and budget.state is not BudgetState.SUSPECT:
-            return Decision(DecisionKind.SHED, Reason.BUDGET_UNKNOWN, retry.default_s)
-        if now >= ask.deadline_at:
-            return Decision(DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, retry.default_s)
-        return None
+        return self.screen_fleet(ask, (Target(ONLY, budget),), now)
 
     def overflow(
         self,
@@ -232,10 +249,7 @@ class AdmissionPolicy:
         """After a plan, an arrival that must wait is shed when its priority's queue already
         holds `max_queued` others (`waiting` counts them, not the arrival). A request that can
         be admitted at once is never refused for a full queue: it would not occupy it."""
-        if waiting < self.config.max_queued.get(priority, 0):
-            return None
-        retry_s = self.config.retry.after(queued_blocks - budget.free_blocks, drain_rate)
-        return Decision(DecisionKind.SHED, Reason.QUEUE_FULL, retry_s)
+        return self.overflow_fleet(priority, waiting, queued_blocks, (Target(ONLY, budget, drain_rate),))
 
     def plan(
         self,
@@ -247,24 +261,76 @@ class AdmissionPolicy:
     ) -> Plan:
         """Decide for every waiter. `waiters` must be in queue order (priority, arrival).
         `scale`, when given, corrects the predicted wait of each arrival for its size."""
+        return self.plan_fleet(waiters, (Target(ONLY, budget, drain_rate),), now, scale)
+
+    # -- a fleet ----------------------------------------------------------------------------
+
+    def screen_fleet(
+        self, ask: Ask, targets: Sequence[Target], now: float, blocks_on: BlocksOn | None = None
+    ) -> Decision | None:
+        """`screen` over the targets: refused for its size only when it exceeds every sized
+        pool; shed for the budget only when no target is known (nor about to be)."""
+        # The pool size outlives a stale reading: a request larger than the whole pool is
+        # refused for what it is, not answered with "try later".
+        sized = [t for t in targets if t.budget.total_blocks > 0]
+        if sized and all(max_on(ask, blocks_on, t.name) > t.budget.pool_limit_blocks for t in sized):
+            return Decision(DecisionKind.REJECT, Reason.EXCEEDS_POOL)
+        if all(t.budget.state is BudgetState.DOWN for t in targets):
+            return Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, RETRY_AFTER_DEFAULT_S)
+        # A suspect budget is settled by the next scrape, a moment away: wait for it in the queue.
+        if not any(t.budget.known or t.budget.state is BudgetState.SUSPECT for t in targets):
+            return Decision(DecisionKind.SHED, Reason.BUDGET_UNKNOWN, RETRY_AFTER_DEFAULT_S)
+        if now >= ask.deadline_at:
+            return Decision(DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, RETRY_AFTER_DEFAULT_S)
+        return None
+
+    def overflow_fleet(
+        self, priority: Priority, waiting: int, queued_blocks: int, targets: Sequence[Target]
+    ) -> Decision | None:
+        """`overflow` over the targets' combined free blocks and drain rate."""
+        if waiting < self.config.max_queued.get(priority, 0):
+            return None
+        free = sum(t.budget.free_blocks for t in targets)
+        retry_s = retry_after(queued_blocks - free, _combined_rate(targets))
+        return Decision(DecisionKind.SHED, Reason.QUEUE_FULL, retry_s)
+
+    def plan_fleet(
+        self,
+        waiters: Sequence[Waiter],
+        targets: Sequence[Target],
+        now: float,
+        scale: WaitScale | None = None,
+    ) -> Plan:
+        """`plan` over the targets: `Plan.onto` says where each admitted waiter goes."""
         if not waiters:
             return EMPTY_PLAN
-        retry = self.config.retry
         admit: list[int] = []
+        onto: list[str] = []
         shed: list[tuple[int, Decision]] = []
-        if not budget.known:
+        known = [t for t in targets if t.budget.known]
+        if not known:
+            down = all(t.budget.state is BudgetState.DOWN for t in targets)
             for waiter in waiters:
-                if budget.state is BudgetState.DOWN:
+                if down:
                     shed.append(
-                        (waiter.key, Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, retry.default_s))
+                        (waiter.key, Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, RETRY_AFTER_DEFAULT_S))
                     )
                 elif now >= waiter.ask.deadline_at:
                     shed.append(
-                        (waiter.key, Decision(DecisionKind.SHED, Reason.DEADLINE_EXPIRED, retry.default_s))
+                        (
+                            waiter.key,
+                            Decision(DecisionKind.SHED, Reason.DEADLINE_EXPIRED, RETRY_AFTER_DEFAULT_S),
+                        )
                     )
             return Plan((), tuple(shed), ())
 
-        free = budget.free_blocks
+        free = {t.name: t.budget.free_blocks for t in known}
+        committed = {t.name: t.budget.committed_blocks for t in known}
+        connections = {t.name: t.free_connections for t in known}
+        chosen_at = {t.name: t.chosen_at for t in known}
+        free_total = sum(free.values())
+        drain_rate = _combined_rate(known)
+        pool_blocks = sum(t.budget.pool_limit_blocks for t in known)
         ahead = 0  # blocks of the waiters ahead that stay queued
         # How many more admissions may still overtake the waiters that stay: the smallest
         # allowance left among them. At zero the queue is blocked behind them.
@@ -274,15 +340,24 @@ class AdmissionPolicy:
         for waiter in waiters:
             ask = waiter.ask
             if now >= ask.deadline_at:
-                wait_s = retry.after(ahead + ask.reserve_blocks - free, drain_rate)
+                wait_s = retry_after(ahead + ask.reserve_blocks - free_total, drain_rate)
                 shed.append((waiter.key, Decision(DecisionKind.SHED, Reason.DEADLINE_EXPIRED, wait_s)))
                 continue
-            if ask.reserve_blocks <= free and allowance > 0:
-                admit.append(waiter.key)
-                free -= ask.reserve_blocks
-                allowance -= 1
-                continue
-            shortfall = ahead + ask.reserve_blocks - free
+            if allowance > 0:
+                chosen = _place(waiter, known, free, committed, connections, chosen_at)
+                if chosen is not None:
+                    chosen_at[chosen] = now
+                    blocks = reserve_on(ask, waiter.blocks_on, chosen)
+                    admit.append(waiter.key)
+                    onto.append(chosen)
+                    if (left := connections[chosen]) is not None:
+                        connections[chosen] = left - 1
+                    free[chosen] -= blocks
+                    committed[chosen] += blocks
+                    free_total -= blocks
+                    allowance -= 1
+                    continue
+            shortfall = ahead + ask.reserve_blocks - free_total
             # Seconds until it fits if blocks were held for it from now; None: no rate known.
             held_wait_s = (
                 max(0, shortfall) / drain_rate if drain_rate is not None and drain_rate > 0 else None
@@ -291,21 +366,16 @@ class AdmissionPolicy:
             # the in-order wait alone (the correction was learned on arrivals' whole waits).
             predicted_s = held_wait_s
             if held_wait_s is not None and scale is not None and waiter.arriving:
-                predicted_s = held_wait_s * scale.factor(ask.reserve_blocks, budget.pool_limit_blocks)
-            if self.config.early_shed and predicted_s is not None:
-                ready_at = now + predicted_s
-                reason = None
+                predicted_s = held_wait_s * scale.factor(ask.reserve_blocks, pool_blocks)
+            if predicted_s is not None:
                 latest = ask.deadline_at
                 if waiter.arriving:
                     latest = now + (ask.deadline_at - now) * (1.0 - self.config.arrival_slack)
-                if ready_at > latest:
-                    reason = Reason.DEADLINE_UNREACHABLE
-                elif waiter.strict and ready_at > ask.objective_at:
-                    reason = Reason.OBJECTIVE_UNREACHABLE
-                if reason is not None:
-                    shed.append(
-                        (waiter.key, Decision(DecisionKind.SHED, reason, retry.after(shortfall, drain_rate)))
+                if now + predicted_s > latest:
+                    decision = Decision(
+                        DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, retry_after(shortfall, drain_rate)
                     )
+                    shed.append((waiter.key, decision))
                     continue
             ahead += ask.reserve_blocks
             staying.append((waiter.key, len(admit)))
@@ -317,10 +387,58 @@ class AdmissionPolicy:
             ):
                 allowance = 0  # its deadline needs the blocks: hold them for it from now on
         bypassed = tuple((key, len(admit) - before) for key, before in staying if len(admit) > before)
-        return Plan(tuple(admit), tuple(shed), bypassed, tuple(predicted))
+        return Plan(tuple(admit), tuple(shed), bypassed, tuple(predicted), tuple(onto))
 
-    def retry_after(self, blocks_to_free: float, drain_rate: float | None) -> float:
-        return self.config.retry.after(blocks_to_free, drain_rate)
+
+def _combined_rate(targets: Sequence[Target]) -> float | None:
+    """The fleet's drain rate: the sum of the rates measured (None when none is)."""
+    rates = [t.drain_rate for t in targets if t.drain_rate is not None and t.drain_rate > 0]
+    return sum(rates) if rates else None
+
+
+def reserve_on(ask: Ask, blocks_on: BlocksOn | None, name: str) -> int:
+    """The blocks the request reserves on the target `name` (its own size there, if any)."""
+    if blocks_on is not None and name in blocks_on:
+        return blocks_on[name][0]
+    return ask.reserve_blocks
+
+
+def max_on(ask: Ask, blocks_on: BlocksOn | None, name: str) -> int:
+    """The most blocks the request may come to hold on the target `name`."""
+    if blocks_on is not None and name in blocks_on:
+        return blocks_on[name][1]
+    return ask.max_blocks
+
+
+def _place(
+    waiter: Waiter,
+    known: Sequence[Target],
+    free: Mapping[str, int],
+    committed: Mapping[str, int],
+    connections: Mapping[str, int | None],
+    chosen_at: Mapping[str, float],
+) -> str | None:
+    """Where the waiter goes now, or None when no target can take it (see gateway.routing)."""
+    ask, blocks_on, prefix_on = waiter.ask, waiter.blocks_on, waiter.prefix_on
+    candidates = []
+    reserve: dict[str, int] = {}
+    for target in known:
+        if max_on(ask, blocks_on, target.name) > target.budget.pool_limit_blocks:
+            continue  # a pool too small for it, beside others that are large enough
+        if (left := connections[target.name]) is not None and left <= 0:
+            continue  # every connection to it is taken
+        reserve[target.name] = reserve_on(ask, blocks_on, target.name)
+        candidates.append(
+            Candidate(
+                name=target.name,
+                free_blocks=free[target.name],
+                admissible_blocks=target.budget.admissible_blocks,
+                committed_blocks=committed[target.name],
+                prefix_blocks=prefix_on.get(target.name, 0) if prefix_on is not None else 0,
+                chosen_at=chosen_at[target.name],
+            )
+        )
+    return choose(candidates, reserve)
 
 
 def queue_order_key(priority: Priority, sequence: int) -> tuple[int, int]:

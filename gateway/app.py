@@ -14,6 +14,8 @@ requests go through httpx. An injected `http_client` carries both.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +29,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from estimator.tokens import TokenCounter
 from gateway import routes
+from gateway.fleet import Resolver
+from gateway.json_body import BodyParser
+from gateway.loop_lag import LoopLagProbe
 from gateway.metrics import GatewayMetrics, GaugeReadings
-from gateway.service import BackendGateway
-from gateway.settings import Settings
-from gateway.upstream import HttpUpstream, HttpxUpstream, Upstream
+from gateway.router import Router
+from gateway.settings import BackendSpec, Settings
+from gateway.upstream import DEFAULT_KEEPALIVE_EXPIRY_S, HttpUpstream, HttpxUpstream, Upstream
 
 
 class KvgateApp(FastAPI):
@@ -74,11 +79,11 @@ class KvgateApp(FastAPI):
 
 
 class _Levels:
-    def __init__(self, gateways: Iterable[BackendGateway]) -> None:
-        self._gateways = list(gateways)
+    def __init__(self, router: Router) -> None:
+        self._router = router
 
     def gauge_readings(self) -> Iterable[GaugeReadings]:
-        return [gateway.gauge_readings() for gateway in self._gateways]
+        return self._router.gauge_readings()
 
 
 def backend_client(settings: Settings) -> httpx.AsyncClient:
@@ -94,14 +99,18 @@ def backend_client(settings: Settings) -> httpx.AsyncClient:
         limits=httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
+            # Expire idle connections before the backend's server does (uvicorn's keep-alive
+            # lasts 5 s, httpx's default too): a poll never goes out on one being closed.
+            keepalive_expiry=DEFAULT_KEEPALIVE_EXPIRY_S,
         ),
     )
 
 
-def backend_upstream(settings: Settings) -> HttpUpstream:
-    """The pool for generation requests: the same connect/write/pool bounds as the client."""
+def backend_upstream(settings: Settings, spec: BackendSpec) -> HttpUpstream:
+    """The pool for one backend's generation requests: the same connect/write/pool bounds as
+    the client."""
     return HttpUpstream(
-        settings.backend_url,
+        spec.url,
         connect_timeout_s=settings.connect_timeout_s,
         write_timeout_s=settings.write_timeout_s,
         max_connections=settings.max_connections,
@@ -114,39 +123,48 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
     http_client: httpx.AsyncClient | None = None,
     token_counter: TokenCounter | None = None,
+    resolve: Resolver | None = None,
 ) -> FastAPI:
     metrics = GatewayMetrics(CollectorRegistry(auto_describe=True))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = http_client if http_client is not None else backend_client(settings)
-        upstream: Upstream = (
-            HttpxUpstream(http_client, settings.backend_url)
-            if http_client is not None
-            else backend_upstream(settings)
-        )
+
+        def upstream_for(spec: BackendSpec) -> Upstream:
+            if http_client is not None:
+                return HttpxUpstream(http_client, spec.url)
+            return backend_upstream(settings, spec)
+
         executor = ThreadPoolExecutor(
             max_workers=settings.tokenizer_threads, thread_name_prefix="kvgate-tokens"
         )
-        gateway = BackendGateway(
+        gateway = Router(
             settings,
+            specs=settings.backend_specs(),
             client=client,
-            upstream=upstream,
+            upstream_for=upstream_for,
             clock=clock,
             metrics=metrics,
             executor=executor,
             token_counter=token_counter,
+            resolve=resolve,
         )
-        levels = metrics.watch(_Levels([gateway]))
+        levels = metrics.watch(_Levels(gateway))
         app.state.kvgate = gateway
+        app.state.body_parser = BodyParser()
+        probe = app.state.loop_lag = LoopLagProbe(metrics.event_loop_lag.observe)
+        lag_task = asyncio.create_task(probe.run(), name="kvgate-loop-lag")
         await gateway.start()
         try:
             yield
         finally:
+            lag_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag_task
             await gateway.stop()
             metrics.registry.unregister(levels)
             executor.shutdown(wait=False, cancel_futures=True)
-            await upstream.aclose()
             if http_client is None:
                 await client.aclose()
 

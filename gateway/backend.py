@@ -1,215 +1,317 @@
-"""What a backend serves (`/v1/models`), and where its tokenizer comes from.
+"""One backend of the fleet: what it serves, its live KV budget, its pace, its ledger, its health.
 
-vLLM's `/v1/models` lists each served name with `max_model_len` and `root` (the folder or id
-it loaded); LoRA adapters appear beside their base with a `parent` and no `max_model_len`
-(they run in the base's engine, with its context and its tokenizer). The gateway needs the
-context limit to validate requests, the root to find the very tokenizer vLLM uses, and the
-version (`/version`) because vLLM's validation of output caps changed between versions (see
-`estimator.demand.ContextRule`). Tokenizers load only from a local folder or the local Hugging
-Face cache, never from the network.
+A `Backend` knows nothing about the other backends nor about requests before they are
+admitted onto it. It reads `/v1/models` (discovery, refreshed) and `/metrics` (the poller,
+which keeps the budget fresh, stale or down: its health), keeps the ledger of what was
+admitted onto it, measures how fast its blocks drain (`gateway.pace`), remembers the prompt
+blocks recently sent to it (`gateway.routing.PrefixIndex`, bounded by its pool) and holds the
+connection pool its generation requests go through. The router (`gateway.router`) chooses
+among backends and tells the chosen one what it admitted, what streamed and what ended.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import httpx
 
-from estimator import kv
-from estimator.modelconfig import ModelNotFoundError, load_config
-from estimator.tokens import RequestTemplates, TokenCounter
-from gateway.errors import failure_reason
-from gateway.render_pool import MAX_PROMPT_CHARS_PER_BODY_BYTE, RenderPool
+from estimator.demand import Demand
+from gateway.admission import Target
+from gateway.budget import MetricsPoller
+from gateway.capacity import BudgetSnapshot, BudgetState, CapacityConfig, KvBudget, Reconciliation, Standing
+from gateway.credentials import redact_url
+from gateway.discovery import BackendInfo, DiscoveryError, fetch_models
+from gateway.ledger import ClosedEntry, InMemoryLedger, Ledger
+from gateway.metrics import GatewayMetrics, GaugeReadings
+from gateway.pace import BackendPace
+from gateway.proxy import upstream_headers
+from gateway.request_id import REQUEST_ID_HEADER
+from gateway.routing import PrefixIndex
+from gateway.settings import BackendSpec, Settings
+from gateway.shared_view import SharedLedger
+from gateway.upstream import Upstream, UpstreamRequest
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    id: str
-    root: str | None
-    max_model_len: int | None
-    parent: str | None = None  # the base model of a LoRA adapter
+# How often /v1/models is read again once known (a restarted vLLM may serve another limit).
+DISCOVERY_REFRESH_S = 30.0
+# Prompt blocks remembered per backend before its pool size is known.
+PREFIX_INDEX_INITIAL_BLOCKS = 4096
+_REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode("latin-1")
 
 
-@dataclass(frozen=True, slots=True)
-class BackendInfo:
-    models: tuple[ServedModel, ...]
-    version: str | None = None  # what the backend's /version says; None when it does not say
+def capacity_config(settings: Settings) -> CapacityConfig:
+    return CapacityConfig(
+        stale_after_s=settings.metrics_stale_after_s,
+        settle_s=settings.settle_s,
+        unknown_is_saturated=settings.unknown_budget == "saturated",
+        down_after_failures=settings.backend_down_after_failures,
+        min_fraction=settings.budget_min_fraction,
+        max_fraction=settings.budget_max_fraction,
+        decrease_factor=settings.aimd_decrease_factor,
+        increase_per_s=settings.aimd_increase_per_s,
+        overcommit=settings.budget_overcommit,
+    )
 
-    def find(self, name: str) -> ServedModel | None:
-        for model in self.models:
-            if model.id == name:
-                return model
-        return None
+
+class Backend:
+    def __init__(
+        self,
+        spec: BackendSpec,
+        settings: Settings,
+        *,
+        client: httpx.AsyncClient,
+        upstream: Upstream,
+        clock: Callable[[], float],
+        metrics: GatewayMetrics,
+        has_waiters: Callable[[], bool],
+        on_discovered: Callable[[Backend, BackendInfo], Awaitable[None]],
+        on_scrape: Callable[[Backend, Reconciliation | None], None],
+        ledger: Ledger | None = None,
+        standing: Callable[[], Standing] | None = None,
+    ) -> None:
+        self.name = spec.name
+        self.url = spec.url
+        self.settings = settings
+        self.clock = clock
+        self.client = client  # discovery, /metrics, /v1/models
+        self.upstream = upstream  # the generation requests
+        self.metrics = metrics
+        self.ledger: Ledger = ledger if ledger is not None else InMemoryLedger()
+        self.budget = KvBudget(capacity_config(settings), self.ledger, standing)
+        self.pace = BackendPace(self.ledger, has_waiters, clock())
+        self.prefixes = PrefixIndex(PREFIX_INDEX_INITIAL_BLOCKS)
+        self.info: BackendInfo | None = None
+        self._on_discovered = on_discovered
+        self._on_scrape = on_scrape
+        self.headers: dict[str, str] = {}
+        self._authorization: bytes | None = None
+        if settings.backend_api_key is not None:
+            self.headers["authorization"] = f"Bearer {settings.backend_api_key.get_secret_value()}"
+            self._authorization = self.headers["authorization"].encode("latin-1")
+        self.poller = MetricsPoller(
+            client=client,
+            url=f"{spec.url}/metrics",
+            budget=self.budget,
+            clock=clock,
+            interval_s=settings.metrics_poll_interval_s,
+            timeout_s=settings.metrics_timeout_s,
+            on_update=self._scraped,
+            headers=self.headers,
+            waiting=has_waiters,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        # The `dns+` entry it was found by (None: named in the settings), and whether that
+        # name no longer resolves to it: then it gets nothing new and stops once idle.
+        self.resolved_from: str | None = None
+        self.retired = False
+        self.chosen_at = 0.0  # when a request was last admitted onto it
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._discover_forever(), name=f"kvgate-discovery-{self.name}"),
+            asyncio.create_task(self.poller.run(), name=f"kvgate-metrics-{self.name}"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.upstream.aclose()
+
+    def reconfigure(self, settings: Settings) -> None:
+        self.settings = settings
+        self.budget.reconfigure(capacity_config(settings))
+        self.poller.reconfigure(
+            interval_s=settings.metrics_poll_interval_s, timeout_s=settings.metrics_timeout_s
+        )
+
+    async def discover(self) -> BackendInfo:
+        """Read /v1/models once. The router loads the tokenizers and model configs its models
+        need before the backend says it serves them (`info`): none is routed there before
+        its requests can be counted and sized."""
+        info = await fetch_models(
+            self.client, self.url, timeout_s=self.settings.discovery_timeout_s, headers=self.headers
+        )
+        await self._on_discovered(self, info)
+        self.info = info
+        return info
+
+    async def _discover_forever(self) -> None:
+        while True:
+            try:
+                await self.discover()
+            except DiscoveryError as exc:
+                log.warning("backend %s: %s", self.name, exc)
+                await asyncio.sleep(self.settings.discovery_retry_s)
+                continue
+            await asyncio.sleep(DISCOVERY_REFRESH_S)
+
+    def _scraped(self, reconciliation: Reconciliation | None) -> None:
+        if reconciliation is None:
+            self.metrics.scrape_failures.labels(self.name).inc()
+        elif reconciliation.preemptions > 0:
+            self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
+        snapshot = self.budget.snapshot(self.clock())
+        if snapshot.total_blocks > 0:
+            # vLLM's cache holds at most its pool: remembering more would predict hits it evicted.
+            self.prefixes.resize(snapshot.total_blocks)
+        self._on_scrape(self, reconciliation)
+
+    # -- what it serves and how it stands -------------------------------------------------
+
+    def block_size(self) -> int | None:
+        reading = self.budget.reading
+        return reading.block_size if reading is not None else None
+
+    def serves(self, model: str) -> bool:
+        return not self.retired and self.info is not None and self.info.find(model) is not None
+
+    def snapshot(self) -> BudgetSnapshot:
+        return self.budget.snapshot(self.clock())
+
+    def target(self, now: float) -> Target:
+        # Every request admitted onto it holds one connection until it ends.
+        connections = self.settings.max_connections - self.ledger.totals().entries
+        return Target(
+            self.name, self.budget.snapshot(now), self.pace.capacity_rate(now), connections, self.chosen_at
+        )
 
     @property
-    def default(self) -> ServedModel:
-        return self.models[0]
+    def up(self) -> bool:
+        """Whether it may be given new requests: its budget is not down."""
+        return self.budget.snapshot(self.clock()).state is not BudgetState.DOWN
 
-    def names(self) -> list[str]:
-        return [model.id for model in self.models]
+    def readiness(self) -> tuple[bool, str]:
+        if self.info is None:
+            return False, "backend models not discovered yet"
+        snapshot = self.snapshot()
+        return snapshot.known, snapshot.detail
 
-
-class DiscoveryError(Exception):
-    pass
-
-
-def parse_models(payload: Any, version: str | None = None) -> BackendInfo:
-    """Read an OpenAI `/v1/models` answer; raise DiscoveryError when it lists no model."""
-    if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
-        raise DiscoveryError("the backend's /v1/models answer has no 'data' list")
-    models: list[ServedModel] = []
-    for item in payload["data"]:
-        if not isinstance(item, Mapping) or not isinstance(item.get("id"), str):
-            continue
-        root, parent = item.get("root"), item.get("parent")
-        limit = item.get("max_model_len")
-        models.append(
-            ServedModel(
-                id=item["id"],
-                root=root if isinstance(root, str) and root else None,
-                max_model_len=limit
-                if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-                else None,
-                parent=parent if isinstance(parent, str) and parent and parent != item["id"] else None,
-            )
+    def gauge_readings(self, queue_depth: Any) -> GaugeReadings:
+        snapshot = self.snapshot()
+        totals = self.ledger.totals()
+        return GaugeReadings(
+            backend=self.name,
+            budget=snapshot,
+            queue_depth=queue_depth,
+            inflight_requests=totals.entries,
+            reserved_blocks=totals.reserved_blocks,
+            held_blocks=totals.held_blocks,
+            backend_up=snapshot.state is BudgetState.FRESH,
         )
-    if not models:
-        raise DiscoveryError("the backend serves no model")
-    # An adapter without a context of its own runs in its base's engine: it has the base's.
-    by_id = {model.id: model for model in models}
-    for index, model in enumerate(models):
-        base = by_id.get(model.parent) if model.parent else None
-        if model.max_model_len is None and base is not None and base.max_model_len is not None:
-            models[index] = replace(model, max_model_len=base.max_model_len)
-    return BackendInfo(tuple(models), version)
 
+    # -- what the router tells it ---------------------------------------------------------
 
-def parse_version(payload: Any) -> str | None:
-    """The version in a vLLM `/version` answer (`{"version": "0.32.0"}`), else None."""
-    if isinstance(payload, Mapping):
-        version = payload.get("version")
-        if isinstance(version, str) and version.strip():
-            return version.strip()[:64]
-    return None
+    def open(
+        self, key: int, demand: Demand, now: float, *, streamed: bool, block_hashes: Sequence[int]
+    ) -> None:
+        self.chosen_at = now
+        self.pace.admitting(now)
+        self.ledger.open(key, demand, now, streamed=streamed)
+        if block_hashes:
+            self.prefixes.add(block_hashes)
 
+    def close(self, key: int, now: float) -> ClosedEntry | None:
+        closed = self.ledger.close(key)
+        if closed is not None:
+            self.pace.completed(closed.reserved_blocks, now)
+        return closed
 
-async def fetch_models(
-    client: httpx.AsyncClient, base_url: str, *, timeout_s: float, headers: Mapping[str, str]
-) -> BackendInfo:
-    """Read /v1/models and /version; only the models are required."""
-    try:
-        response = await client.get(
-            f"{base_url}/v1/models", timeout=httpx.Timeout(timeout_s), headers=dict(headers)
-        )
-        response.raise_for_status()
-        payload = response.json()
-    except httpx.HTTPStatusError as exc:  # its text names the URL, credentials and all
-        raise DiscoveryError(f"cannot list the backend's models: HTTP {exc.response.status_code}") from exc
-    except httpx.HTTPError as exc:
-        raise DiscoveryError(f"cannot list the backend's models: {failure_reason(exc)}") from exc
-    except ValueError as exc:
-        raise DiscoveryError(f"cannot list the backend's models: {exc}") from exc
-    return parse_models(payload, await fetch_version(client, base_url, timeout_s=timeout_s, headers=headers))
+    def failed(self, now: float) -> None:
+        """A request to it failed as if it were gone: hold admissions until a scrape says otherwise."""
+        self.budget.suspect(now)
+        self.poller.poke()
 
+    def request(
+        self, request_headers: Iterable[tuple[bytes, bytes]], path: str, body: bytes, request_id: str
+    ) -> UpstreamRequest:
+        """The generation request as this backend gets it: the client's headers less hop-by-hop
+        ones and credentials, the backend's own key, kvgate's request id (vLLM logs under it).
+        Raises ValueError when a header cannot be forwarded."""
+        headers = upstream_headers(request_headers, authorization=self._authorization)
+        headers = [pair for pair in headers if pair[0] != _REQUEST_ID_HEADER]
+        headers.append((_REQUEST_ID_HEADER, request_id.encode("latin-1")))
+        return UpstreamRequest(b"POST", path.encode("latin-1"), headers, body)
 
-async def fetch_version(
-    client: httpx.AsyncClient, base_url: str, *, timeout_s: float, headers: Mapping[str, str]
-) -> str | None:
-    """The backend's `/version`, or None when it has none (not vLLM, or an error): the
-    validation rules then default to the current vLLM's."""
-    try:
-        response = await client.get(
-            f"{base_url}/version", timeout=httpx.Timeout(timeout_s), headers=dict(headers)
-        )
-        if response.status_code != 200:
-            return None
-        return parse_version(response.json())
-    except (httpx.HTTPError, ValueError) as exc:
-        log.info("no version from the backend's /version: %s", failure_reason(exc))
-        return None
+    # -- /admin/state ---------------------------------------------------------------------
 
-
-def tokenizer_candidates(tokenizer: str | None, model: str | None, info: BackendInfo | None) -> list[str]:
-    """Where to look for the tokenizer, best first, without duplicates."""
-    candidates: list[str] = []
-    for value in (tokenizer, model):
-        if value:
-            candidates.append(value)
-    if info is not None:
-        served = info.find(model) if model else None
-        served = served or info.default
-        # vLLM 0.32 tokenizes an adapter's requests with its base's tokenizer (it has no
-        # per-adapter tokenizer), so the base's folder comes before the adapter's.
-        base = info.find(served.parent) if served.parent else None
-        for entry in (base, served):
-            if entry is not None:
-                candidates.extend(value for value in (entry.root, entry.id) if value)
-    return list(dict.fromkeys(candidates))
-
-
-def load_token_counter(
-    candidates: Sequence[str],
-    *,
-    max_model_len: int | None,
-    trust_request_chat_template: bool = False,
-    max_body_bytes: int | None = None,
-    inline_thread: int | None = None,
-) -> tuple[TokenCounter, str]:
-    """Load the first tokenizer that exists locally; fall back on approximate counting.
-
-    Templates sent in requests are refused unless `trust_request_chat_template`, and then
-    rendered by a RenderPool loading the same tokenizer. Rendered prompts longer than
-    MAX_PROMPT_CHARS_PER_BODY_BYTE x `max_body_bytes` characters are refused. The tokenizer copy
-    of `inline_thread` (the event loop's, which counts small bodies inline) is made here, so that
-    the loop never spends the 0.3 s a copy takes.
-
-    Blocking (file I/O, tokenizer construction): run it in a thread.
-    """
-    max_prompt_chars = MAX_PROMPT_CHARS_PER_BODY_BYTE * max_body_bytes if max_body_bytes else None
-    for candidate in candidates:
-        templates: RequestTemplates = "refuse"
-        if trust_request_chat_template:
-            templates = RenderPool(candidate, max_model_len=max_model_len, max_prompt_chars=max_prompt_chars)
-        try:
-            # The served model's config.json says which media it takes (estimator/media.py);
-            # a tokenizer-only folder has none, so the other candidates are asked too.
-            counter = TokenCounter.from_pretrained(
-                candidate,
-                max_model_len=max_model_len,
-                config_sources=candidates,
-                request_templates=templates,
-                max_prompt_chars=max_prompt_chars,
-            )
-        except (OSError, ValueError) as exc:
-            log.info("no local tokenizer at %r: %s", candidate, exc)
-            continue
-        log.info("media parts for %r: %s", candidate, counter.media.describe())
-        if inline_thread is not None:
-            counter.prepare_thread(inline_thread)
-        return counter, candidate
-    log.warning(
-        "no tokenizer found locally (tried %s): prompt tokens are estimated from bytes",
-        ", ".join(candidates) or "nothing",
-    )
-    approximate = TokenCounter.approximate(max_model_len=max_model_len)
-    if trust_request_chat_template:
-        # Nothing is rendered without a tokenizer: the template is accepted and not run.
-        approximate = TokenCounter(None, max_model_len=max_model_len, request_templates="render")
-    return approximate, "approximate"
-
-
-def load_model_shape(candidates: Sequence[str]) -> tuple[kv.ModelShape | None, str | None]:
-    """The served model's shape from the first candidate with a usable `config.json`, and
-    where it came from; (None, None) when none has one (requests then count plain paged
-    attention blocks). Blocking file I/O: run it in a thread."""
-    for candidate in candidates:
-        try:
-            return kv.model_shape(load_config(candidate)), candidate
-        except (ModelNotFoundError, kv.ConfigError, OSError, ValueError) as exc:
-            log.info("no usable model config at %r: %s", candidate, exc)
-    return None, None
+    def describe(self, inflight_source: Callable[[int], str | None]) -> dict[str, Any]:
+        now = self.clock()
+        snapshot = self.budget.snapshot(now)
+        totals = self.ledger.totals()
+        own = self.ledger.own_totals() if isinstance(self.ledger, SharedLedger) else totals
+        reading = self.budget.reading
+        pace = self.pace.describe(now)
+        return {
+            "name": self.name,
+            "url": redact_url(self.url),
+            "ready": self.readiness()[0],
+            "budget": {
+                "state": snapshot.state.value,
+                "known": snapshot.known,
+                "detail": snapshot.detail,
+                "total_blocks": snapshot.total_blocks,
+                "pool_limit_blocks": snapshot.pool_limit_blocks,
+                "admissible_blocks": snapshot.admissible_blocks,
+                "committed_blocks": snapshot.committed_blocks,
+                "free_blocks": snapshot.free_blocks,
+                "used_reported_blocks": round(snapshot.used_reported_blocks, 3),
+                "external_blocks": snapshot.external_blocks,
+                "aimd_fraction": round(snapshot.fraction, 4),
+                "reservation_overstatement": round(self.budget.overstatement, 4),
+                "preemptions_seen": self.budget.limit.preemptions_seen,
+                "age_s": None if snapshot.age_s is None else round(snapshot.age_s, 3),
+                "block_size": reading.block_size if reading else None,
+                "running": reading.running if reading else None,
+                "waiting": reading.waiting if reading else None,
+            },
+            "ledger": {
+                "entries": totals.entries,
+                # With a shared ledger: everyone's on the backend; own_*: this process's part.
+                "reserved_blocks": totals.reserved_blocks,
+                "own_reserved_blocks": own.reserved_blocks,
+                "own_held_blocks": own.held_blocks,
+                "held_blocks": totals.held_blocks,
+                "credit_blocks": totals.credit_blocks,
+                "requests": [
+                    {
+                        "key": entry.key,
+                        "age_s": round(now - entry.admitted_at, 3),
+                        "prompt_tokens": list(entry.demand.prompt_tokens),
+                        "expected_output_tokens": entry.demand.expected_output_tokens,
+                        # learned, backend, cold, floor or client (told in its header)
+                        "expected_output_source": inflight_source(entry.key),
+                        "output_tokens": list(entry.output_tokens),
+                        "held_blocks": entry.held_blocks,
+                        "reserved_blocks": entry.reserved_blocks,
+                        "credit_blocks": entry.credit_blocks,
+                    }
+                    for entry in itertools.islice(self.ledger.entries(), 100)
+                ],
+            },
+            "pace": {
+                "drain_rate_blocks_per_s": pace["drain_rate_blocks_per_s"],
+                # None until measured (the queue then predicts at the busy-time rate).
+                "saturated_drain_rate_blocks_per_s": pace["saturated_drain_rate_blocks_per_s"],
+            },
+            "service_time": {
+                "first_token_after_admit_s": pace["first_token_after_admit_s"],
+                "seconds_per_output_token": pace["seconds_per_output_token"],
+            },
+            "prefix_index_blocks": len(self.prefixes),
+            "models": [
+                {"id": m.id, "root": m.root, "max_model_len": m.max_model_len}
+                for m in (self.info.models if self.info else ())
+            ],
+        }

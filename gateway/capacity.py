@@ -10,7 +10,9 @@ Two loops meet here:
 At each scrape `KvBudget.observe` compares the two and corrects the ledger in both directions:
 
 - vLLM holds more than the ledger explains (other clients, a chat template counted short):
-  the excess becomes `external_blocks`, added to every projection until the next scrape;
+  the excess becomes `external_blocks`, added to every projection until the next scrape. What
+  answers sent whole (not streamed) may have grown to within their reservations is explained:
+  the ledger cannot watch them grow;
 - vLLM holds less than the settled requests' ledger count (prefix-cache sharing, a request
   that finished inside vLLM but whose last bytes are still on the way): the settled entries get
   a credit in proportion, which leaves with each of them when it completes.
@@ -33,14 +35,15 @@ Reservations are peaks (prompt plus a high quantile of the answer), held from ad
 while the KV a request really holds grows from its prompt to where its answer really stops.
 Where answers are long, the pool can sit half empty by vLLM's count while requests wait in the
 gateway for blocks that are only promised. With `overcommit` above zero, quiet periods may
-grow the share past `max`, by as much as the reservations of completed requests exceeded the
-peaks they really reached (`overstatement`: reserved over reached, less one, over recent
-completions) and at most by `overcommit`, but only while requests wait and vLLM's usage at the
-scrape (plus what was sent since it settled) leaves `overcommit_room` of the pool unused.
-Both are needed: room alone is also what requests that have not grown yet leave, and a past
-overstatement alone says nothing about the pool now. Preemptions cut the share like any.
-Where reservations are close to what requests reach (long prompts, short answers, lengths
-known in advance) the share never leaves [min, max].
+grow the share past `max`, by at most `overcommit`, but only while requests wait and vLLM's
+usage at the scrape (plus what was sent since it settled, and what the requests in flight
+are certain to grow into: their `min_tokens`, or their cap with `ignore_eos`) leaves
+`overcommit_room` of the pool unused: that room is the evidence that the promises overstate
+what is held. Past `max` the
+share grows at OVERCOMMIT_GROWTH_PER_S, fast enough to follow a burst of a few seconds,
+because the room is measured again at every scrape; it stops growing when the room goes, and
+only preemptions take it back. How far the reservations of completed requests exceeded the
+peaks they reached (`overstatement`) is reported beside it.
 
 Unknown means saturated: without a fresh reading the budget is not `known`, and the policy
 admits nothing new, unless configured to fall back on the ledger alone. A request whose
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -91,6 +95,16 @@ def _moved_since(
     return None if before is None else value != before
 
 
+# The AIMD's clock: growth resumes this long after the last preemption, and preemptions, which
+# come in bursts, cut the share at most once per cooldown.
+AIMD_QUIET_S = 5.0
+AIMD_DECREASE_COOLDOWN_S = 2.0
+# The overcommit grows only while vLLM's usage leaves this share of the pool unused, and then by
+# this share of the pool per second (measured on `make demo`'s burst: docs/measurements.md).
+OVERCOMMIT_ROOM = 0.25
+OVERCOMMIT_GROWTH_PER_S = 0.25
+
+
 class BudgetState(StrEnum):
     """Freshness of the closed loop; doubles as a metric label and a /readyz reason."""
 
@@ -109,19 +123,18 @@ class CapacityConfig:
     down_after_failures: int
     min_fraction: float
     max_fraction: float
-    initial_fraction: float
     decrease_factor: float
     increase_per_s: float
-    quiet_s: float
-    decrease_cooldown_s: float
     # How far past max_fraction the share may grow while requests wait and vLLM's usage leaves
     # `overcommit_room` of the pool unused (see the module docstring); 0: never.
     overcommit: float = 0.0
-    overcommit_room: float = 0.25
+    quiet_s: float = AIMD_QUIET_S
+    decrease_cooldown_s: float = AIMD_DECREASE_COOLDOWN_S
+    overcommit_room: float = OVERCOMMIT_ROOM
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.min_fraction <= self.initial_fraction <= self.max_fraction <= 1.0:
-            raise ValueError("need 0 < min_fraction <= initial_fraction <= max_fraction <= 1")
+        if not 0.0 < self.min_fraction <= self.max_fraction <= 1.0:
+            raise ValueError("need 0 < min_fraction <= max_fraction <= 1")
         if not 0.0 < self.decrease_factor < 1.0:
             raise ValueError("decrease_factor must lie in (0, 1)")
         if self.overcommit < 0.0:
@@ -135,7 +148,7 @@ class AimdLimit:
 
     def __init__(self, config: CapacityConfig) -> None:
         self._config = config
-        self.fraction = config.initial_fraction
+        self.fraction = config.max_fraction
         self._last_total: float | None = None
         self._decreased_at = -math.inf
         self._pressure_at = -math.inf
@@ -171,7 +184,12 @@ class AimdLimit:
             quiet_from = max(self._updated_at, self._pressure_at + config.quiet_s)
             ceiling = config.max_fraction + min(config.overcommit, max(0.0, headroom))
             if now > quiet_from and self.fraction < ceiling:
-                self.fraction = min(ceiling, self.fraction + config.increase_per_s * (now - quiet_from))
+                # Below the pool the share recovers at the AIMD's pace; past it, while vLLM shows
+                # room, at OVERCOMMIT_GROWTH_PER_S: the room is measured at every scrape.
+                rate = (
+                    config.increase_per_s if self.fraction < config.max_fraction else OVERCOMMIT_GROWTH_PER_S
+                )
+                self.fraction = min(ceiling, self.fraction + rate * (now - quiet_from))
         self._updated_at = now if self._updated_at is None else max(self._updated_at, now)
 
         seen = 0.0
@@ -215,6 +233,19 @@ class BudgetSnapshot:
         return max(0, self.admissible_blocks - self.committed_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """How far this process may promise the budget it computes: all of it alone; with others
+    sharing the backend through a store that cannot be reached, a share of it (fail open) or
+    nothing (fail closed, `unavailable` says why)."""
+
+    share: float = 1.0
+    unavailable: str = ""
+
+
+ALONE = Standing()
+
+
 class BudgetSource(Protocol):
     """Where the wait queue reads the budget: `KvBudget` here, a store shared by several
     replicas later. Called from the event loop on every queue pump: no I/O, no blocking;
@@ -244,9 +275,12 @@ OVERSTATEMENT_MIN_SAMPLES = 20
 class KvBudget:
     """Combines readings, the ledger and the AIMD limit. One event loop owns it."""
 
-    def __init__(self, config: CapacityConfig, ledger: Ledger) -> None:
+    def __init__(
+        self, config: CapacityConfig, ledger: Ledger, standing: Callable[[], Standing] | None = None
+    ) -> None:
         self._config = config
         self._ledger = ledger
+        self._standing = standing or (lambda: ALONE)
         self.limit = AimdLimit(config)
         self.reading: BackendReading | None = None
         self._reading_at: float | None = None
@@ -329,7 +363,9 @@ class KvBudget:
         else:
             self._motionless_since = None
         used = reading.used_blocks
-        gap = used - split.settled_blocks - split.fresh_blocks
+        # Answers sent whole grow inside vLLM unseen, within what they reserved: that growth is
+        # theirs, not someone else's (else it would count twice, reserved and external).
+        gap = used - split.settled_blocks - split.fresh_blocks - self._ledger.totals().unseen_blocks
         slack = split.settled_sequences + released_since
         kept = 1.0
         external = 0
@@ -337,7 +373,7 @@ class KvBudget:
             external = math.ceil(gap - slack - 1e-9)
         elif (
             used < split.settled_blocks
-            and reading.waiting == 0
+            and reading.saturated_waiting == 0
             and stepped is not False
             and changed is not False
         ):
@@ -350,19 +386,25 @@ class KvBudget:
             # vLLM came back with another pool: the old baseline of its counters is void.
             self.limit = AimdLimit(config)
         in_flight = split.settled_sequences > 0 or split.settled_blocks > 0 or split.fresh_blocks > 0
-        # vLLM's usage plus what was sent since (not allocated there yet, perhaps) against the pool.
-        unused = reading.total_blocks - used - split.fresh_blocks
+        # vLLM's usage plus what was sent since (not allocated there yet, perhaps) against the
+        # pool, less what the requests in flight are certain to grow into: a pool that looks
+        # half empty because `ignore_eos` answers have only begun is no evidence of overstated
+        # promises.
+        unused = reading.total_blocks - used - split.fresh_blocks - split.certain_growth_blocks
+        # Room is evidence only from an engine seen to move since the newest settled request:
+        # frozen or restarted metrics look like an idle pool.
         room = (
             waiting
-            and reading.waiting == 0
-            and changed is not False
+            and reading.saturated_waiting == 0
+            and changed is True
+            and stepped is True
             and unused >= config.overcommit_room * reading.total_blocks
         )
         preemptions = self.limit.observe(
             reading.preemptions_total,
             now,
             attributable=in_flight,
-            headroom=self.overstatement if room else 0.0,
+            headroom=self._config.overcommit if room else 0.0,
         )
         self.reading = reading
         self._reading_at = started_at
@@ -436,19 +478,25 @@ class KvBudget:
             known, external = True, 0
         else:
             known, external = False, self._external
+        standing = self._standing()
+        detail = self._detail(state, age)
+        if standing.unavailable:
+            known, detail = False, f"{standing.unavailable}; {detail}"
+        elif standing.share < 1.0:
+            detail = f"{detail}; promising {standing.share:.0%} of it (the shared ledger is unreachable)"
         total = reading.total_blocks
         return BudgetSnapshot(
             state=state,
             known=known,
             total_blocks=total,
             pool_limit_blocks=math.floor(total * self._config.max_fraction),
-            admissible_blocks=math.floor(total * self.limit.fraction),
+            admissible_blocks=math.floor(total * self.limit.fraction * standing.share),
             committed_blocks=totals.committed_blocks + external,
             used_reported_blocks=reading.used_blocks,
             external_blocks=external,
             fraction=self.limit.fraction,
             age_s=age,
-            detail=self._detail(state, age),
+            detail=detail,
         )
 
     def _detail(self, state: BudgetState, age: float | None) -> str:

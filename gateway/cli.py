@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # kvgate uses transformers for tokenizers only and never needs PyTorch, whose absence
+    # transformers announces on import as "Models won't be available": advice, not an error,
+    # that would look like one to someone starting kvgate. An explicit setting still wins.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     exit_code: int = args.func(args)

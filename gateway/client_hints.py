@@ -1,4 +1,4 @@
-"""What a client tells kvgate in headers: its priority and its deadlines (pure).
+"""What a client tells kvgate in headers: its priority, its deadlines, its answer's length (pure).
 
 Headers (names are case-insensitive; the mapping passed in must be, or use lower case):
 
@@ -17,17 +17,31 @@ Headers (names are case-insensitive; the mapping passed in must be, or use lower
 - `x-stainless-read-timeout` (seconds, sent by the OpenAI SDKs): used only when neither
   kvgate header is present. The SDK applies it as an HTTP read timeout, so it bounds the whole
   answer of a non-streaming request and the first chunk of a streaming one.
+- `X-Kvgate-Expected-Output-Tokens`: the output tokens per sequence the client expects (a batch
+  job or a classifier knows them). kvgate reserves that instead of its learned length (see
+  `gateway.output_model.output_reservation`), within what the body guarantees and allows
+  (never below `min_tokens` or, with `ignore_eos`, the cap; never above `max_tokens` or the
+  context). Anyone may send it, as anyone may set `max_tokens`: it moves only the sender's own
+  reservation. That reservation is also what others are admitted against, so a client that
+  tells less than its answers run to is admitted sooner and leaves the difference to vLLM's
+  preemption, as an answer longer than a learned reservation does. An answer that outgrows it
+  is covered as any such answer: a stream's reservation grows with its tokens
+  (`gateway.ledger`), a plain answer's excess shows in vLLM's usage at the next scrape
+  (`gateway.capacity`).
 
-`queue_deadlines` turns them into the last moments a request may leave the queue: each time
-minus the service time the request still needs once admitted (as measured on recent
-requests), never later than the per-priority queue timeout. With both headers the first-token
-time is an objective (the client still waits for the whole response); alone, it is the
-deadline.
+`queue_deadline` turns them into the last moment a request may leave the queue and still get
+what its client asks for: the time minus the service the request still needs once admitted (as
+measured on recent requests), never later than its priority class's queue timeout. The
+headers say what the client wants. A deadline for the whole answer is what it is judged by
+when it sends one, with or without a first-token time: it waits for the answer. A first-token
+time alone is where such a client stops caring (a streaming OpenAI SDK client's read timeout),
+so it is the deadline then.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,9 +56,14 @@ BODY_PRIORITY_FIELD = "priority"
 DEADLINE_HEADER = "x-kvgate-deadline-ms"
 TTFT_HEADER = "x-kvgate-ttft-ms"
 SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+EXPECTED_OUTPUT_HEADER = "x-kvgate-expected-output-tokens"
 
 # A deadline beyond a day is a mistake, not a wish; refuse it rather than overflow timers.
 MAX_DEADLINE_MS = 86_400_000.0
+# More output than any model's context holds: a larger figure is a mistake. Every value is capped
+# by the request's own output cap anyway; the bound keeps the digits parsed few.
+MAX_EXPECTED_OUTPUT_TOKENS = 10_000_000
+_DIGITS = re.compile(r"[0-9]+")
 
 
 class HintError(ValueError):
@@ -61,6 +80,8 @@ class ClientHints:
     priority: Priority
     total_s: float | None  # whole response, from arrival
     first_token_s: float | None  # first token, from arrival
+    # Output tokens per sequence the client expects (None: not told; kvgate's model decides).
+    expected_output_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +148,28 @@ def parse_hints(
                 first_token_s = sdk_timeout_s
             else:
                 total_s = sdk_timeout_s
-    return ClientHints(priority, total_s, first_token_s)
+    return ClientHints(priority, total_s, first_token_s, _expected_output_tokens(headers))
+
+
+def _expected_output_tokens(headers: Mapping[str, str]) -> int | None:
+    raw = headers.get(EXPECTED_OUTPUT_HEADER)
+    if raw is None:
+        return None
+    # Plain ASCII digits only: no sign, no fraction, none of the underscores or other scripts'
+    # digits that int() would take.
+    digits = raw.strip()
+    significant = digits.lstrip("0")
+    if (
+        _DIGITS.fullmatch(digits) is None
+        or len(significant) > len(str(MAX_EXPECTED_OUTPUT_TOKENS))
+        or not 1 <= int(significant or "0") <= MAX_EXPECTED_OUTPUT_TOKENS
+    ):
+        raise HintError(
+            EXPECTED_OUTPUT_HEADER,
+            f"header {EXPECTED_OUTPUT_HEADER} must be a whole number of tokens in "
+            f"[1, {MAX_EXPECTED_OUTPUT_TOKENS}], got {raw!r}",
+        )
+    return int(significant)
 
 
 def _may_raise_priority(offered: str | None, priority_token: str | None) -> bool:
@@ -167,38 +209,17 @@ def _sdk_read_timeout(raw: str | None) -> float | None:
     return min(value, MAX_DEADLINE_MS / 1000.0)
 
 
-@dataclass(frozen=True, slots=True)
-class QueueDeadlines:
-    """When a request must leave the queue (monotonic seconds). `hard_at`: the client stops
-    waiting after it, so it is shed then; `objective_at` (<= hard_at): the last moment that
-    still meets its first-token objective (see `gateway.admission`)."""
-
-    hard_at: float
-    objective_at: float
-
-
-def queue_deadlines(
+def queue_deadline(
     arrived_at: float,
     hints: ClientHints,
     queue_timeout_s: float,
     service: ServiceEstimate,
-    *,
-    margin: float = 1.0,
-) -> QueueDeadlines:
-    """The last moments at which leaving the queue still meets the client's deadline and its
-    objective; `margin` scales the service time netted out (0 disables it).
-
-    A first-token time is an objective when the client also gave a deadline for the whole
-    response: it still waits past it. Given alone, it is where the client gives up (a
-    streaming OpenAI SDK client's read timeout), so it is the deadline as well."""
-    hard = arrived_at + queue_timeout_s
-    objective = math.inf
+) -> float:
+    """The last moment (monotonic seconds) at which leaving the queue still gives the client
+    what its headers ask for (see the module docstring)."""
+    deadline = arrived_at + queue_timeout_s
     if hints.total_s is not None:
-        hard = min(hard, arrived_at + hints.total_s - margin * service.complete_s)
+        return min(deadline, arrived_at + hints.total_s - service.complete_s)
     if hints.first_token_s is not None:
-        first_token_at = arrived_at + hints.first_token_s - margin * service.first_token_s
-        if hints.total_s is None:
-            hard = min(hard, first_token_at)
-        else:
-            objective = first_token_at
-    return QueueDeadlines(hard, min(objective, hard))
+        return min(deadline, arrived_at + hints.first_token_s - service.first_token_s)
+    return deadline

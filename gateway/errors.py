@@ -128,6 +128,11 @@ class UpstreamError(GatewayError):
     default_code = "upstream_failed"
 
 
+class UpstreamConnectError(UpstreamError):
+    """No connection to the backend could be opened (refused, unreachable): it never saw the
+    request, which may go to another backend of the model."""
+
+
 class UpstreamTimeoutError(UpstreamError):
     """The backend did not answer within a configured timeout (504)."""
 

@@ -10,36 +10,14 @@ sequences has streamed so far, and from those two numbers in blocks:
 - `credit`: blocks the closed loop showed it does not really occupy (prefix-cache sharing),
   set by `gateway.capacity` at each scrape and leaving with the request.
 
-Requests do not all reach their peaks at once: while one is at its end, another has just
-begun. With `multiplex` on, the ledger commits the projected peak of the whole set rather than
-the sum of the peaks (see `projected_peak_blocks`), and the difference is `multiplex_blocks`.
-
-Requests do not all reach their reserved quantile either: each reserves the output length that
-only one in ten exceeds (with the default p90), but of many requests together far fewer than
-all run that long. With `pooling_z` set, the ledger commits the quantile of the *sum* of what
-the requests in flight still have to produce instead of the sum of their quantiles: from each
-request's `OutputDistribution` (the learned lengths, given at open) the mean and variance of
-its remaining output given how far it already is, and for the set, mean + z x standard
-deviation of the total (normal approximation; z from the same quantile). A request beyond
-every length observed, or with no distribution, counts its reservation as it is. The
-difference is `pooling_blocks`. One request alone gains little; sixteen gain most of the gap
-between the quantile and the mean. When both are on, the larger of the two discounts is taken
-off, and the commitment never falls below what the requests hold.
-
-Both discounts are recomputed at each scrape (`rebalance`, after the credit) and at each close
-while few requests are in flight; in between, an admission adds its whole reservation and a
-close keeps the last discount net of the closed request's part, so closes and admissions never
-take the commitment below the projection. Streamed tokens are not a recomputation point (they
-come by the thousand per second): one request moving ahead of the others between two of them
-shifts the projection by about the blocks it grows meanwhile.
+Reservations are peaks, and requests in flight do not reach them all at once, nor all reach
+them: the one discount of that over-reservation is the budget's overcommit
+(`gateway.capacity`), measured on completed requests, not a projection kept here.
 
 `Ledger` is the interface the rest of the gateway uses, so that a store shared between
 replicas can replace the in-memory one. Its contract: called from one event loop only (no
-locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries))
-and `rebalance` (O(entries x PEAK_BREAKPOINTS) multiplexed, O(entries x log window) pooled,
-also run by `close` while at most `REBALANCE_ON_CLOSE_MAX_ENTRIES` are open), `close` is
-idempotent and the totals (but `multiplex_blocks` and `pooling_blocks`) are exact integer sums
-over the open entries. Whatever runs on every request (admission, the queue's drain-rate
+locking), every method is O(1) except the per-scrape `held_split` / `set_credit` (O(entries)),
+`close` is idempotent and the totals are exact integer sums over the open entries. Whatever runs on every request (admission, the queue's drain-rate
 projection) reads totals only, never iterates the entries: its cost must not grow with the
 number of requests in flight.
 """
@@ -47,12 +25,11 @@ number of requests in flight.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from estimator.demand import Demand
-from gateway.output_model import OutputDistribution
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +40,14 @@ class LedgerTotals:
     reserved_blocks: int
     held_blocks: int
     credit_blocks: int
-    multiplex_blocks: int = 0
-    pooling_blocks: int = 0
+    # Of the reserved blocks, those of answers the gateway cannot watch grow (sent whole, not
+    # streamed): vLLM may hold any of them by now while the ledger still counts the prompt.
+    unseen_blocks: int = 0
 
     @property
     def committed_blocks(self) -> int:
-        """Blocks promised to the requests in flight, net of what vLLM shares between them
-        and of the peaks (or output lengths) they do not reach together; never less than
-        they hold (a discount is recomputed only now and then, while they keep growing)."""
-        discount = max(self.multiplex_blocks, self.pooling_blocks)
-        return max(self.held_blocks, self.reserved_blocks - discount) - self.credit_blocks
+        """Blocks promised to the requests in flight, net of what vLLM shares between them."""
+        return self.reserved_blocks - self.credit_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +59,9 @@ class HeldSplit:
     settled_sequences: int
     # When the most recently admitted settled entry was admitted (None: no settled entry).
     newest_settled_at: float | None = None
+    # Blocks the entries (settled or fresh) are certain still to grow into: from what they
+    # hold up to their floors (`Demand.floor_blocks`). vLLM's usage cannot show them yet.
+    certain_growth_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +92,15 @@ class LedgerEntry:
     held_blocks: int = 0
     reserved_blocks: int = 0
     credit_blocks: int = 0
-    outlook: OutputDistribution | None = None  # the learned lengths, for pooling
+    streamed: bool = True
 
 
 class Ledger(Protocol):
     """In-flight reservations of one backend. See the module docstring for the contract."""
 
-    def open(
-        self, key: int, demand: Demand, now: float, outlook: OutputDistribution | None = None
-    ) -> LedgerEntry:
+    def open(self, key: int, demand: Demand, now: float, *, streamed: bool = True) -> LedgerEntry:
         """Book `demand` under a fresh `key`; raises KeyError if the key is already open.
-        `outlook`: the output lengths its reservation was learned from (for pooling)."""
+        `streamed`: its answer's tokens will be counted as they come (`grow`)."""
         ...
 
     def grow(self, key: int, sequence: int, tokens: int) -> None:
@@ -157,120 +133,30 @@ class Ledger(Protocol):
         Fresh entries get no credit. `kept_fraction` lies in [0, 1]."""
         ...
 
-    def rebalance(self) -> None:
-        """Recompute `multiplex_blocks` and `pooling_blocks` from the entries as they are now
-        (a no-op for what is off)."""
-        ...
-
     def entries(self) -> Iterator[LedgerEntry]: ...
 
 
-# The projected peak is evaluated at most at this many steps (an upper bound between them).
-PEAK_BREAKPOINTS = 32
-# Up to this many requests in flight, every close recomputes the projected peak; beyond, only
-# scrapes do (the cost is O(entries x PEAK_BREAKPOINTS)).
-REBALANCE_ON_CLOSE_MAX_ENTRIES = 64
-
-
 def _to_go(entry: LedgerEntry) -> int:
-    """Engine steps until the entry reaches its reservation (at least one while in flight)."""
+    """Output tokens until the entry reaches its reservation (at least one while in flight)."""
     return max(1, entry.demand.expected_output_tokens - entry.longest_output)
 
 
-def _net_hold_at(entry: LedgerEntry, steps: int, to_go: int) -> int:
-    """Blocks the entry holds, net of credit, `steps` engine steps from now (its reservation
-    once it has reached its end)."""
-    if steps >= to_go:
-        held = entry.reserved_blocks
-    else:
-        demand = entry.demand
-        grown = demand.blocks_at(min(entry.longest_output + steps, demand.max_output_tokens))
-        held = min(entry.reserved_blocks, grown)
-    return held - entry.credit_blocks
-
-
-def projected_peak_blocks(entries: Sequence[LedgerEntry], breakpoints: int = PEAK_BREAKPOINTS) -> int:
-    """The most blocks, net of credit, that `entries` will hold at once if each runs to its
-    reservation and all of them decode together, one token per engine step (vLLM's continuous
-    batching), releasing their blocks when they end.
-
-    The total only grows between two ends and drops at each, so its peak is at an end: with E
-    the steps to the entries' ends, peak = max over E of the holds at E of the entries that end
-    at or after E. With more distinct ends than `breakpoints`, the ends are thinned to that many
-    (the last always kept) and each interval between two kept ends is bounded by the holds at
-    its right end of every entry alive at its left end: an upper bound, never below the peak.
-
-    A request that starts decoding later than the others (its prefill queued inside vLLM)
-    ends later too, so this is an estimate, not a bound; vLLM's preemption counter, through the
-    AIMD share, answers for its misses.
-    """
-    if not entries:
-        return 0
-    ends = [(_to_go(entry), entry) for entry in entries]
-    distinct = sorted({to_go for to_go, _ in ends})
-    if len(distinct) > breakpoints:
-        stride = len(distinct) / breakpoints
-        distinct = sorted(
-            {distinct[min(len(distinct) - 1, math.ceil((k + 1) * stride) - 1)] for k in range(breakpoints)}
-        )
-    peak = 0
-    previous = 0
-    for step in distinct:
-        total = sum(_net_hold_at(entry, step, to_go) for to_go, entry in ends if to_go > previous)
-        peak = max(peak, total)
-        previous = step
-    return peak
-
-
-def remaining_moments(entry: LedgerEntry) -> tuple[float, float]:
-    """Mean and variance, in blocks, of what the entry will still add to what it holds.
-
-    From its outlook, given the tokens its shortest sequence has produced: every sequence
-    grows by the remaining tokens over the block size plus one block (the partly filled one
-    and the slot vLLM allocates ahead), and the sequences of one request are taken to run
-    equally long (their variances add up as one). Without an outlook, or beyond every length
-    it holds, the reservation is taken as it is, with no variance.
-    """
-    deterministic = float(entry.reserved_blocks - entry.held_blocks)
-    if entry.outlook is None:
-        return deterministic, 0.0
-    demand = entry.demand
-    produced = min(entry.output_tokens, default=0)
-    moments = entry.outlook.remaining(produced, demand.max_output_tokens)
-    if moments is None:
-        return deterministic, 0.0
-    mean_tokens, variance_tokens = moments
-    sequences, block_size = demand.sequences, demand.cost.block_size
-    mean = sequences * (mean_tokens / block_size + 1.0)
-    variance = (sequences / block_size) ** 2 * variance_tokens
-    return mean, variance
-
-
-def pooled_remaining_blocks(entries: Sequence[LedgerEntry], z: float) -> float:
-    """The `z`-quantile of the blocks the entries will still add together, under a normal
-    approximation of the sum of their remaining outputs (see `remaining_moments`)."""
-    mean = variance = 0.0
-    for entry in entries:
-        entry_mean, entry_variance = remaining_moments(entry)
-        mean += entry_mean
-        variance += entry_variance
-    return mean + z * math.sqrt(variance)
+def _unseen(entry: LedgerEntry) -> int:
+    """Reserved blocks of an entry whose growth the ledger cannot see (see LedgerTotals)."""
+    return 0 if entry.streamed else entry.reserved_blocks - entry.held_blocks
 
 
 class InMemoryLedger:
     """The default `Ledger`: a dict of entries and running totals."""
 
-    def __init__(self, *, multiplex: bool = False, pooling_z: float | None = None) -> None:
+    def __init__(self) -> None:
         self._entries: dict[int, LedgerEntry] = {}
         self._reserved = 0
         self._held = 0
         self._credit = 0
         self._remaining = 0
-        self._multiplex = 0
-        self._pooling = 0
         self._released = 0
-        self.multiplex = multiplex
-        self.pooling_z = pooling_z
+        self._unseen = 0
 
     @staticmethod
     def _reserved_for(demand: Demand, longest_output: int) -> int:
@@ -282,9 +168,7 @@ class InMemoryLedger:
         tokens = max(demand.expected_output_tokens, longest_output + demand.cost.block_size)
         return demand.blocks_at(min(tokens, demand.max_output_tokens))
 
-    def open(
-        self, key: int, demand: Demand, now: float, outlook: OutputDistribution | None = None
-    ) -> LedgerEntry:
+    def open(self, key: int, demand: Demand, now: float, *, streamed: bool = True) -> LedgerEntry:
         if key in self._entries:
             raise KeyError(f"ledger entry {key} is already open")
         entry = LedgerEntry(
@@ -294,9 +178,10 @@ class InMemoryLedger:
             output_tokens=[0] * demand.sequences,
             held_blocks=demand.prompt_blocks,
             reserved_blocks=demand.reserved_blocks,
-            outlook=outlook,
+            streamed=streamed,
         )
         self._entries[key] = entry
+        self._unseen += _unseen(entry)
         self._reserved += entry.reserved_blocks
         self._held += entry.held_blocks
         self._remaining += _to_go(entry)
@@ -313,16 +198,27 @@ class InMemoryLedger:
         counts[index] += tokens
         if counts[index] <= entry.longest_output:
             return
-        to_go = _to_go(entry)
-        entry.longest_output = counts[index]
-        self._remaining += _to_go(entry) - to_go
         demand = entry.demand
-        held = demand.blocks_at(min(entry.longest_output, demand.max_output_tokens))
-        reserved = max(entry.reserved_blocks, self._reserved_for(demand, entry.longest_output))
+        expected = demand.expected_output_tokens
+        # _to_go before and after, inline: this runs once per streamed token.
+        longest_before, longest = entry.longest_output, counts[index]
+        entry.longest_output = longest
+        self._remaining += max(1, expected - longest) - max(1, expected - longest_before)
+        held = demand.blocks_at(min(longest, demand.max_output_tokens))
+        if longest + demand.cost.block_size <= expected:
+            # Within the reservation by a block's worth: _reserved_for is the reservation
+            # itself, which the entry already holds (it only grows). Computed once a token
+            # otherwise, this was half of what a streamed token cost the ledger.
+            reserved = entry.reserved_blocks
+        else:
+            reserved = max(entry.reserved_blocks, self._reserved_for(demand, longest))
         self._held += held - entry.held_blocks
         self._reserved += reserved - entry.reserved_blocks
+        unseen_before = 0 if entry.streamed else _unseen(entry)
         entry.held_blocks = held
         entry.reserved_blocks = reserved
+        if not entry.streamed:
+            self._unseen += _unseen(entry) - unseen_before
 
     def close(self, key: int) -> ClosedEntry | None:
         entry = self._entries.pop(key, None)
@@ -333,19 +229,7 @@ class InMemoryLedger:
         self._released += entry.held_blocks
         self._credit -= entry.credit_blocks
         self._remaining -= _to_go(entry)
-        if self.multiplex or self.pooling_z is not None:
-            if len(self._entries) <= REBALANCE_ON_CLOSE_MAX_ENTRIES:
-                self.rebalance()
-            else:
-                # Keep the last projected peak until the next scrape recomputes it: the rest of
-                # the set may still reach it without this entry (see the module docstring).
-                self._multiplex = max(0, self._multiplex - (entry.reserved_blocks - entry.credit_blocks))
-                # Without the entry the pooled quantile falls by at most its mean (the
-                # deviation of a sum shrinks by less than the part's own), so taking its
-                # reservation beyond that mean off the discount leaves the discount no larger
-                # than a recomputation would make it.
-                beyond_mean = entry.reserved_blocks - entry.held_blocks - remaining_moments(entry)[0]
-                self._pooling = max(0, self._pooling - math.ceil(max(0.0, beyond_mean)))
+        self._unseen -= _unseen(entry)
         return ClosedEntry(
             key=key,
             demand=entry.demand,
@@ -355,14 +239,18 @@ class InMemoryLedger:
             held_blocks=entry.held_blocks,
         )
 
+    def reserved_of(self, key: int) -> int | None:
+        """The blocks the open entry `key` reserves now (None: not open)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.reserved_blocks
+
     def totals(self) -> LedgerTotals:
         return LedgerTotals(
             entries=len(self._entries),
             reserved_blocks=self._reserved,
             held_blocks=self._held,
             credit_blocks=self._credit,
-            multiplex_blocks=self._multiplex,
-            pooling_blocks=self._pooling,
+            unseen_blocks=self._unseen,
         )
 
     @property
@@ -373,9 +261,10 @@ class InMemoryLedger:
         return self._remaining
 
     def held_split(self, settled_before: float) -> HeldSplit:
-        settled = fresh = sequences = 0
+        settled = fresh = sequences = growth = 0
         newest: float | None = None
         for entry in self._entries.values():
+            growth += max(0, entry.demand.floor_blocks - entry.held_blocks)
             if entry.admitted_at <= settled_before:
                 settled += entry.held_blocks
                 sequences += entry.demand.sequences
@@ -383,7 +272,7 @@ class InMemoryLedger:
                     newest = entry.admitted_at
             else:
                 fresh += entry.held_blocks
-        return HeldSplit(settled, fresh, sequences, newest)
+        return HeldSplit(settled, fresh, sequences, newest, growth)
 
     def set_credit(self, kept_fraction: float, settled_before: float) -> None:
         if not 0.0 <= kept_fraction <= 1.0:
@@ -396,20 +285,6 @@ class InMemoryLedger:
                 entry.credit_blocks = 0
             total += entry.credit_blocks
         self._credit = total
-        self.rebalance()
-
-    def rebalance(self) -> None:
-        self._multiplex = 0
-        self._pooling = 0
-        if not self._entries or (not self.multiplex and self.pooling_z is None):
-            return  # called at every scrape: nothing to list when neither discount is on
-        entries = list(self._entries.values())
-        if self.multiplex:
-            peak = projected_peak_blocks(entries)
-            self._multiplex = max(0, self._reserved - self._credit - peak)
-        if self.pooling_z is not None:
-            to_come = self._reserved - self._held
-            self._pooling = max(0, math.floor(to_come - pooled_remaining_blocks(entries, self.pooling_z)))
 
     def entries(self) -> Iterator[LedgerEntry]:
         return iter(self._entries.values())

@@ -42,7 +42,7 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from gateway.request_id import new_request_id, request_id_of
-from gateway.service import BackendGateway
+from gateway.router import Router
 from gateway.settings import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CLIENT_CONNECTIONS,
@@ -95,7 +95,7 @@ class Reloader:
         except ConfigFileError as exc:
             log.error("settings not reloaded: %s", exc)
             return ReloadResult(error=str(exc))
-        gateway: BackendGateway = self._app.state.kvgate
+        gateway: Router = self._app.state.kvgate
         merged, applied, ignored = reloaded(gateway.settings, fresh)
         gateway.reconfigure(merged)
         self._app.state.settings = merged
@@ -340,15 +340,23 @@ def header_limited_protocol(
 class KvgateServer(uvicorn.Server):
     """uvicorn's server with kvgate's drain on SIGTERM/SIGINT and reload on SIGHUP."""
 
-    def __init__(self, config: uvicorn.Config, *, app: FastAPI, reloader: Reloader | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        app: FastAPI,
+        reloader: Reloader | None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._reloader = reloader
+        self._on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
-    def _gateway(self) -> BackendGateway | None:
-        gateway: BackendGateway | None = getattr(self._app.state, "kvgate", None)
+    def _gateway(self) -> Router | None:
+        gateway: Router | None = getattr(self._app.state, "kvgate", None)
         return gateway
 
     async def startup(self, sockets: Any = None) -> None:
@@ -356,6 +364,8 @@ class KvgateServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self._reloader is not None and threading.current_thread() is threading.main_thread():
             self._loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        if self.started and self._on_started is not None:
+            self._on_started()
 
     async def shutdown(self, sockets: Any = None) -> None:
         if self._loop is not None and threading.current_thread() is threading.main_thread():
@@ -376,7 +386,7 @@ class KvgateServer(uvicorn.Server):
         # Runs in the signal handler, on the loop's thread: hand the work to the loop.
         self._loop.call_soon_threadsafe(self._drain, sig, gateway)
 
-    def _drain(self, sig: int, gateway: BackendGateway) -> None:
+    def _drain(self, sig: int, gateway: Router) -> None:
         answered = gateway.begin_drain()
         settings = gateway.settings
         # uvicorn takes whole seconds; round up so that the grace is never shorter.
@@ -394,14 +404,25 @@ class KvgateServer(uvicorn.Server):
 
 
 def serve(
-    app: FastAPI, settings: Settings, *, load_settings: Callable[[], Settings] | None, **options: Any
-) -> None:
+    app: FastAPI,
+    settings: Settings,
+    *,
+    load_settings: Callable[[], Settings] | None,
+    sockets: list[socket.socket] | None = None,
+    on_started: Callable[[], None] | None = None,
+    **options: Any,
+) -> bool:
     """Run `app` until a stop signal; `options` go to uvicorn.Config (host, port, logging...).
-    `load_settings` re-reads the settings for reloads (None: no reloads)."""
+    `load_settings` re-reads the settings for reloads (None: no reloads). With `sockets`, serve
+    on those listening sockets (a worker of `gateway.workers`) instead of binding host and port.
+    `on_started` is called once the server listens. Returns whether it ever did (False: the
+    app's startup failed, or a stop signal came first)."""
     reloader = Reloader(app, load_settings) if load_settings is not None else None
     app.state.reloader = reloader
     config = uvicorn.Config(app, **server_options(settings), **options)
-    KvgateServer(config, app=app, reloader=reloader).run()
+    server = KvgateServer(config, app=app, reloader=reloader, on_started=on_started)
+    server.run(sockets=sockets)
+    return server.started
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
@@ -424,7 +445,7 @@ def client_connection_limit(settings: Settings) -> int:
     (with a warning) when even that is not enough. Without this, a flood of connections would
     make accept fail with EMFILE and take the descriptors that backend connections and files
     need; the bound refuses the excess cleanly instead."""
-    others = settings.max_connections + DESCRIPTOR_HEADROOM
+    others = settings.max_connections * len(settings.backend_specs()) + DESCRIPTOR_HEADROOM
     wanted = settings.max_client_connections + others
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -439,7 +460,7 @@ def client_connection_limit(settings: Settings) -> int:
     limit = max(1, soft - others)
     log.warning(
         "max_client_connections lowered from %d to %d: the process may open %d descriptors and "
-        "keeps %d for backend connections (max_connections) and files",
+        "keeps %d for backend connections (max_connections per backend) and files",
         settings.max_client_connections,
         limit,
         soft,

@@ -5,22 +5,28 @@ counted as they happen. Levels (queue depth, KV blocks, backend health, stalenes
 from the live objects when Prometheus scrapes, through `GaugeSource`, so the request path never
 updates a gauge. Labels stay small and bounded: `backend` (configured names), `priority` (3),
 `outcome` (see `gateway.outcomes.Outcome`), `code` (the codes of kvgate's 429 and 503 errors:
-the policy's shedding reasons, `backend_unavailable`), `state` (see
+the policy's shedding reasons, `backend_unavailable`; see `SHED_CODES`), `state` (see
 `gateway.capacity.BudgetState`).
+
+Every event series of a backend whose label values are known in advance exists from
+`add_backend` on, at 0: a panel or an alert over a counter that has not moved yet reads 0
+rather than no data, and rate() over it starts from a known 0 instead of missing the first
+increment (a series first seen at 1 has no earlier sample to differ from).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.admission import Priority
+from gateway.admission import Priority, Reason
 from gateway.capacity import BudgetSnapshot, BudgetState
+from gateway.errors import UnavailableError
 from gateway.outcomes import Outcome
 
 QUEUE_WAIT_BUCKETS_S = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -28,6 +34,25 @@ BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 ERROR_BUCKETS_TOKENS = (-1024, -256, -64, -16, -4, 0, 4, 16, 64, 256, 1024)
 WAIT_ERROR_BUCKETS_S = (-8.0, -4.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 FIRST_BYTE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Around /healthz's 100 ms target: a lag of a few ms is the loop's ordinary work.
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# The codes a shed request's error carries, by outcome: the `code` values of kvgate_shed_total.
+# The policy's refusals carry their Reason (gateway.router names the error after it); a 503
+# raised before the policy is asked (no backend reached yet, no budget read yet, tokenizer
+# saturated) carries UnavailableError's own code. tests/gateway/test_gw_metrics.py holds this
+# to gateway.outcomes, so a new shedding reason cannot be left out.
+SHED_CODES: Mapping[Outcome, tuple[str, ...]] = {
+    Outcome.SHED_QUEUE_FULL: (Reason.QUEUE_FULL.value,),
+    Outcome.SHED_DEADLINE: (Reason.DEADLINE_UNREACHABLE.value,),
+    Outcome.SHED_TIMEOUT: (Reason.DEADLINE_EXPIRED.value,),
+    Outcome.SHED_UNAVAILABLE: (
+        Reason.BUDGET_UNKNOWN.value,
+        Reason.BACKEND_DOWN.value,
+        Reason.SHUTTING_DOWN.value,
+        str(UnavailableError.default_code),
+    ),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +66,6 @@ class GaugeReadings:
     reserved_blocks: int
     held_blocks: int
     backend_up: bool
-    plain_queue_wait_s: float | None = None
 
 
 class GaugeSource(Protocol):
@@ -101,12 +125,6 @@ class _LevelCollector(Collector):
         age = GaugeMetricFamily(
             "kvgate_backend_metrics_age_seconds", "Age of the last good metrics scrape", labels=["backend"]
         )
-        plain_wait = GaugeMetricFamily(
-            "kvgate_plain_queue_wait_seconds",
-            "Wait an arrival would face in a plain queue that shed nothing (the offered load's "
-            "backlog at the backend's saturated drain rate); NaN until a rate is known",
-            labels=["backend"],
-        )
         state = GaugeMetricFamily(
             "kvgate_budget_state",
             "Budget freshness state (1 for the current state)",
@@ -128,9 +146,6 @@ class _LevelCollector(Collector):
             up.add_metric([b], 1.0 if reading.backend_up else 0.0)
             stale.add_metric([b], 0.0 if budget.state is BudgetState.FRESH else 1.0)
             age.add_metric([b], budget.age_s if budget.age_s is not None else float("nan"))
-            plain_wait.add_metric(
-                [b], reading.plain_queue_wait_s if reading.plain_queue_wait_s is not None else float("nan")
-            )
             for candidate in BudgetState:
                 state.add_metric([b, candidate.value], 1.0 if candidate is budget.state else 0.0)
         return [
@@ -146,7 +161,6 @@ class _LevelCollector(Collector):
             up,
             stale,
             age,
-            plain_wait,
             state,
         ]
 
@@ -171,6 +185,12 @@ class _Labelled(Generic[_Child]):
             child = self._children[values] = self.metric.labels(*values)
         return child
 
+    def remove_backend(self, backend: str) -> None:
+        """Forget every child whose first label value (`backend`) is `backend`."""
+        for values in [values for values in self._children if values[0] == backend]:
+            del self._children[values]
+            self.metric.remove(*values)
+
 
 class GatewayMetrics:
     """All kvgate_ metrics of one app, registered on `registry` (never the global one)."""
@@ -180,8 +200,8 @@ class GatewayMetrics:
         self.requests = _Labelled(
             Counter("kvgate_requests", "Requests by final outcome", ["backend", "outcome"], registry=registry)
         )
-        # Why requests were shed: the outcome shed_deadline alone covers both a deadline and a
-        # first-token objective out of reach. `code` is the error's code, from a small closed set.
+        # Why requests were shed, finer than the outcome: `code` is the error's code, from a
+        # small closed set.
         self.shed = _Labelled(
             Counter(
                 "kvgate_shed",
@@ -260,6 +280,15 @@ class GatewayMetrics:
                 registry=registry,
             )
         )
+        self.failovers = _Labelled(
+            Counter(
+                "kvgate_failovers",
+                "Requests moved to another backend of their model after their connection failed "
+                "before any byte was sent (labelled by the backend that failed)",
+                ["backend"],
+                registry=registry,
+            )
+        )
         self.scrape_failures = _Labelled(
             Counter(
                 "kvgate_backend_scrape_failures",
@@ -267,6 +296,79 @@ class GatewayMetrics:
                 ["backend"],
                 registry=registry,
             )
+        )
+
+        self.shared_refusals = _Labelled(
+            Counter(
+                "kvgate_shared_ledger_refusals",
+                "Admissions the shared ledger (Redis) refused on the backend because other "
+                "processes had booked its budget first (they return to the queue)",
+                ["backend"],
+                registry=registry,
+            )
+        )
+        # The shared ledger's own series are the process's (one Redis for every backend).
+        self.shared_round_trip = Histogram(
+            "kvgate_shared_ledger_round_trip_seconds",
+            "Time of one round trip to the shared ledger (Redis): a batch of bookings, releases and renewals",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0),
+            registry=registry,
+        )
+        self.shared_errors = Counter(
+            "kvgate_shared_ledger_errors",
+            "Round trips to the shared ledger (Redis) that failed (unreachable, timed out, refused)",
+            registry=registry,
+        )
+
+        # One series for the process (not per backend): every backend shares the loop.
+        self.event_loop_lag = Histogram(
+            "kvgate_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every tick (see gateway.loop_lag): how "
+            "long no request could be served",
+            buckets=LOOP_LAG_BUCKETS_S,
+            registry=registry,
+        )
+
+    def add_backend(self, name: str) -> None:
+        """Export every event series of backend `name` whose labels are a known set at 0 (see
+        the module's docstring): each outcome, each shed code, each priority. Idempotent; the
+        levels come from `watch` and need nothing here."""
+        for outcome in Outcome:
+            self.requests.labels(name, outcome.value)
+        for codes in SHED_CODES.values():
+            for code in codes:
+                self.shed.labels(name, code)
+        for priority in Priority:
+            self.admitted.labels(name, priority.value)
+            self.queue_wait.labels(name, priority.value)
+        for metric in self._per_backend():
+            metric.labels(name)
+
+    def remove_backend(self, name: str) -> None:
+        """Drop every event series of backend `name` (one that left the fleet, e.g. an address
+        a DNS name no longer resolves to), so that label sets stay bounded. Idempotent."""
+        every: tuple[_Labelled[Any], ...] = (
+            self.requests,
+            self.shed,
+            self.admitted,
+            self.queue_wait,
+            *self._per_backend(),
+        )
+        for labelled in every:
+            labelled.remove_backend(name)
+
+    def _per_backend(self) -> tuple[_Labelled[Any], ...]:
+        """The metrics labelled by `backend` alone."""
+        return (
+            self.queue_wait_prediction_error,
+            self.request_blocks,
+            self.prediction_error,
+            self.prediction_underruns,
+            self.preemptions,
+            self.first_byte,
+            self.scrape_failures,
+            self.failovers,
+            self.shared_refusals,
         )
 
     def watch(self, source: GaugeSource) -> Collector:

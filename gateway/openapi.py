@@ -16,7 +16,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.client_hints import EXPECTED_OUTPUT_HEADER, MAX_EXPECTED_OUTPUT_TOKENS
+
 _REF = "#/components/schemas/{model}"
+_STRING: dict[str, Any] = {"type": "string"}
 
 
 class ErrorDetail(BaseModel):
@@ -94,7 +97,10 @@ _RETRY_HEADERS = {
 
 # Refusals of kvgate's own and answers relayed from the backend, for each kind of endpoint.
 GENERATION_ERRORS: dict[str, dict[str, Any]] = {
-    "400": _error("Invalid request: bad JSON or fields, context too long, larger than the KV pool"),
+    "400": _error(
+        "Invalid request: bad JSON or fields, a malformed X-Kvgate header, context too long, "
+        "larger than the KV pool"
+    ),
     "403": _error(
         "Raising priority (X-Kvgate-Priority high, a negative priority) without the priority token"
     ),
@@ -142,17 +148,18 @@ def _generation_operation(summary: str, body_model: type[BaseModel]) -> dict[str
             "content": {"application/json": {"schema": {"$ref": _REF.format(model=body_model.__name__)}}},
         },
         "parameters": [
-            {
-                "name": name,
-                "in": "header",
-                "required": False,
-                "schema": {"type": "string"},
-                "description": text,
-            }
-            for name, text in (
-                ("x-kvgate-priority", "high, normal (default) or low"),
-                ("x-kvgate-deadline-ms", "Milliseconds the client waits for the whole answer"),
-                ("x-kvgate-ttft-ms", "Milliseconds the client waits for the first token"),
+            {"name": name, "in": "header", "required": False, "schema": schema, "description": text}
+            for name, schema, text in (
+                ("x-kvgate-priority", _STRING, "high, normal (default) or low"),
+                ("x-kvgate-deadline-ms", _STRING, "Milliseconds the client waits for the whole answer"),
+                ("x-kvgate-ttft-ms", _STRING, "Milliseconds the client waits for the first token"),
+                (
+                    EXPECTED_OUTPUT_HEADER,
+                    {"type": "integer", "minimum": 1, "maximum": MAX_EXPECTED_OUTPUT_TOKENS},
+                    "Output tokens per sequence the client expects: reserved instead of kvgate's "
+                    "learned length, never below min_tokens (the cap with ignore_eos), never above "
+                    "max_tokens or the context; an answer that outgrows it still completes",
+                ),
             )
         ],
         "responses": {

@@ -18,22 +18,38 @@ Quantiles come from a sorted copy of the window kept alongside it (bisect insert
 O(window) per observation, O(1) per prediction): predictions are on every request's path,
 observations only on completions. The number of keys is bounded (least recently used go).
 
-`distribution(key)` hands out the window as an immutable `OutputDistribution`, for the
-ledger's pooled reservation (see `gateway.ledger`): the mean and variance of what a request
-still has to produce, given how far it already is. It is rebuilt (O(window)) only once the
-window has changed by a sixty-fourth since the last build, so that its cost per completion
-stays constant.
+`output_reservation` is where a request's reservation is chosen: the length the client said it
+expects (`X-Kvgate-Expected-Output-Tokens`, see `gateway.client_hints`) when it did, else the
+model's prediction, lifted to what the request itself guarantees. A told length is a claim:
+one below the real answer is admitted sooner and leaves the difference to vLLM's preemption.
+So the model also keeps, per key, whether the recent told answers outgrew what was told
+(`observe_told`); where more than TOLD_MAX_OUTGROWN_SHARE of them did, a told length no longer
+lowers a reservation below the learned one (it may still raise it). Honest clients (batch jobs,
+classifiers, the bench's oracle) lose nothing; one that under-tells gains nothing for long.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+# The answers a key's window keeps: enough for a p99 to rest on ten of them, few enough to
+# follow a change of the traffic within minutes.
+OUTPUT_WINDOW_SAMPLES = 1000
+
+
+# What `typical` answers: the median, an unbiased guess of when an answer ends, where the
+# reservation takes a high quantile, a bound on the blocks it holds.
+TYPICAL_QUANTILE = 0.5
+# Told answers remembered per key, how many must be in before they are judged, and the share of
+# them that may outgrow what was told before told lengths stop lowering reservations.
+TOLD_WINDOW = 50
+TOLD_MIN_SAMPLES = 5
+TOLD_MAX_OUTGROWN_SHARE = 0.2
 
 
 class PredictionSource(StrEnum):
@@ -41,6 +57,7 @@ class PredictionSource(StrEnum):
     BACKEND = "backend"  # too few samples here: the backend's histogram
     COLD = "cold"  # too few samples anywhere: the cap
     FLOOR = "floor"  # the request's own guaranteed length (min_tokens, ignore_eos), above the rest
+    CLIENT = "client"  # the length the client said it expects (X-Kvgate-Expected-Output-Tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,52 +89,13 @@ class OutputPrediction:
     key: OutputKey | None
 
 
-class OutputDistribution:
-    """Completion lengths (per sequence) of finished requests, frozen: sorted, with prefix sums
-    of the lengths and of their squares, so that conditional moments cost O(log n)."""
-
-    __slots__ = ("_ordered", "_squares", "_sums")
-
-    def __init__(self, lengths: Iterable[int]) -> None:
-        self._ordered = tuple(sorted(lengths))
-        self._sums = (0, *itertools.accumulate(self._ordered))
-        self._squares = (0, *itertools.accumulate(value * value for value in self._ordered))
-
-    def __len__(self) -> int:
-        return len(self._ordered)
-
-    def remaining(self, produced: int, cap: int) -> tuple[float, float] | None:
-        """Mean and variance of the tokens still to come for a sequence that has produced
-        `produced` tokens and stops at `cap` at the latest: over the observed lengths beyond
-        `produced`, each cut at `cap`. None when no observed length lies beyond it (the
-        distribution says nothing about such a request) or the cap is reached."""
-        if produced >= cap:
-            return None
-        ordered = self._ordered
-        beyond = bisect.bisect_right(ordered, produced)
-        count = len(ordered) - beyond
-        if count == 0:
-            return None
-        # Lengths in (produced, cap) count as they are, those at or past the cap as the cap.
-        capped_from = max(beyond, bisect.bisect_left(ordered, cap))
-        at_cap = len(ordered) - capped_from
-        total = self._sums[capped_from] - self._sums[beyond] + at_cap * cap
-        squares = self._squares[capped_from] - self._squares[beyond] + at_cap * cap * cap
-        mean = total / count
-        variance = max(0.0, squares / count - mean * mean)
-        return mean - produced, variance
-
-
 class _Window:
-    __slots__ = ("arrival", "changes", "frozen", "frozen_at", "ordered", "size")
+    __slots__ = ("arrival", "ordered", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.arrival: deque[int] = deque()
         self.ordered: list[int] = []
-        self.changes = 0  # observations ever added
-        self.frozen: OutputDistribution | None = None
-        self.frozen_at = 0  # `changes` when `frozen` was built
 
     def add(self, value: int) -> None:
         if len(self.arrival) == self.size:
@@ -125,13 +103,6 @@ class _Window:
             del self.ordered[bisect.bisect_left(self.ordered, oldest)]
         self.arrival.append(value)
         bisect.insort(self.ordered, value)
-        self.changes += 1
-
-    def distribution(self) -> OutputDistribution:
-        if self.frozen is None or self.changes - self.frozen_at >= max(1, len(self.ordered) // 64):
-            self.frozen = OutputDistribution(self.ordered)
-            self.frozen_at = self.changes
-        return self.frozen
 
     def quantile(self, q: float) -> int:
         # Nearest-rank quantile: an observed value, never an interpolation below it.
@@ -160,7 +131,9 @@ def quantile_from_buckets(
 class OutputLengthModel:
     """Online completion-length distribution. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, *, quantile: float, min_samples: int, window: int, max_keys: int = 1024) -> None:
+    def __init__(
+        self, *, quantile: float, min_samples: int, window: int = OUTPUT_WINDOW_SAMPLES, max_keys: int = 1024
+    ) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ValueError("quantile must lie in (0, 1]")
         if min_samples < 1 or window < min_samples:
@@ -172,6 +145,10 @@ class OutputLengthModel:
         self._windows: OrderedDict[OutputKey, _Window] = OrderedDict()
         # (tokens, observations) from the backend's histogram; None: none usable.
         self.backend_prior: tuple[int, int] | None = None
+        # The median of the same histogram (what a typical answer runs to), or None.
+        self.backend_median: int | None = None
+        # Per key: whether each recent told answer outgrew what was told.
+        self._told: OrderedDict[OutputKey, deque[bool]] = OrderedDict()
 
     def predict(self, key: OutputKey, cap: int) -> OutputPrediction:
         """Output tokens to reserve per sequence, at most `cap`."""
@@ -189,14 +166,23 @@ class OutputLengthModel:
         """Take the backend's output-length histogram (see `quantile_from_buckets`); one that
         is too thin or whose quantile is unbounded leaves no prior."""
         self.backend_prior = quantile_from_buckets(buckets, self.quantile, self.min_samples)
+        median = quantile_from_buckets(buckets, TYPICAL_QUANTILE, self.min_samples)
+        self.backend_median = median[0] if median is not None else None
 
-    def distribution(self, key: OutputKey) -> OutputDistribution | None:
-        """The learned lengths behind `predict(key, ...)`, or None while too few are learned."""
-        for candidate in key.fallbacks():
-            window = self._windows.get(candidate)
-            if window is not None and len(window.arrival) >= self.min_samples:
-                return window.distribution()
-        return None
+    def typical(self, prediction: OutputPrediction, key: OutputKey, cap: int) -> int:
+        """Output tokens a request's answer typically runs to, for predicting when it ends
+        (not for reserving its blocks): the reservation's own length when it is known (told by
+        the client, or the request's floor); the median of what the reservation was learned
+        from; 0 when nothing is known yet (the cap says nothing of when an answer ends)."""
+        if prediction.source in (PredictionSource.CLIENT, PredictionSource.FLOOR):
+            return prediction.tokens
+        if prediction.source is PredictionSource.LEARNED and prediction.key is not None:
+            window = self._windows.get(prediction.key)
+            if window is not None and window.ordered:
+                return min(cap, window.quantile(TYPICAL_QUANTILE))
+        if prediction.source is PredictionSource.BACKEND and self.backend_median is not None:
+            return min(cap, self.backend_median)
+        return 0
 
     def observe(self, key: OutputKey, tokens: int) -> None:
         """Record one finished sequence's completion length under the key and its parents."""
@@ -212,6 +198,24 @@ class OutputLengthModel:
                 self._windows.move_to_end(candidate)
             window.add(tokens)
 
+    def observe_told(self, key: OutputKey, told: int, tokens: int) -> None:
+        """A sequence whose client told `told` output tokens ran to `tokens`."""
+        window = self._told.get(key)
+        if window is None:
+            window = self._told[key] = deque(maxlen=TOLD_WINDOW)
+            while len(self._told) > self._max_keys:
+                self._told.popitem(last=False)
+        else:
+            self._told.move_to_end(key)
+        window.append(tokens > told)
+
+    def trusts_told(self, key: OutputKey) -> bool:
+        """Whether told lengths may lower this key's reservations (see the module docstring)."""
+        window = self._told.get(key)
+        if window is None or len(window) < TOLD_MIN_SAMPLES:
+            return True
+        return sum(window) <= TOLD_MAX_OUTGROWN_SHARE * len(window)
+
     def describe(self) -> dict[str, dict[str, int]]:
         """Per key: samples and the current reserved quantile (for /admin/state)."""
         return {
@@ -221,3 +225,25 @@ class OutputLengthModel:
             }
             for key, window in self._windows.items()
         }
+
+
+def output_reservation(
+    model: OutputLengthModel, key: OutputKey, *, cap: int, floor: int, told: int | None
+) -> OutputPrediction:
+    """Output tokens to reserve per sequence of a request whose output may run to `cap` and is
+    guaranteed to reach `floor` (<= cap: `min_tokens`, or the cap with `ignore_eos`): what the
+    client `told` kvgate to expect when it did, else the model's prediction; never above the
+    cap, never below the floor.
+
+    A told length may lie below what the model would reserve: that is its point (the client
+    knows), and an answer that outgrows it is covered as any other that outgrows its
+    reservation. Where told answers have often outgrown what was told, it is taken only where
+    it lies above the model's prediction (see the module docstring)."""
+    if told is not None and (model.trusts_told(key) or told > model.predict(key, cap).tokens):
+        prediction = OutputPrediction(min(cap, told), PredictionSource.CLIENT, 0, None)
+    else:
+        prediction = model.predict(key, cap)
+    if floor > prediction.tokens:
+        # The request itself guarantees more: that is what it reserves.
+        prediction = OutputPrediction(floor, PredictionSource.FLOOR, prediction.samples, None)
+    return prediction

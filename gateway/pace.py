@@ -1,9 +1,8 @@
 """How fast one backend serves, measured online (pure: injected time, no I/O).
 
-Three decisions lean on the backend's pace. The queue predicts waits from the rate at which
-blocks free up; client deadlines net out the service time a request still needs once admitted;
-the overload test asks whether a plain queue, one that sheds nothing, would serve an arrival
-before its deadline. `BackendPace` owns those measurements for one backend. The shell tells it
+Two decisions lean on the backend's pace. The queue predicts waits from the rate at which
+blocks free up; client deadlines net out the service time a request still needs once admitted.
+`BackendPace` owns those measurements for one backend. The shell tells it
 when a request is admitted (`admitting`), when its reservation is completed (`completed`) and
 how long its answer took (`observe_stream`, `observe_whole`); it reads the ledger only for the cold-start
 projection of the drain rate.
@@ -15,11 +14,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gateway.admission import Ask
 from gateway.client_hints import ServiceEstimate
 from gateway.ledger import Ledger
-from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog
+from gateway.rates import BusyClock, DecayingRate, Ewma
 
+# Over about this many seconds of busy (or saturated) time the drain rates are averaged: long
+# enough to span several completions of the longest answers, short enough to follow a change
+# of the mix within a deadline.
+DRAIN_RATE_HORIZON_S = 10.0
 # Smoothing of the service-time estimates netted out of client deadlines.
 SERVICE_TIME_EWMA_ALPHA = 0.1
 # A stream whose relay spent more than this share of its time blocked writing to its client
@@ -28,7 +30,7 @@ CLIENT_PACED_SHARE = 0.1
 
 
 class BackendPace:
-    """Drain rates, service times and the virtual plain queue of one backend.
+    """Drain rates and service times of one backend.
 
     `queued()` says whether requests wait in the gateway's queue now: the backend counts as
     saturated while they do. Every method takes `now` (monotonic seconds) and must be called
@@ -41,9 +43,7 @@ class BackendPace:
         queued: Callable[[], bool],
         now: float,
         *,
-        drain_rate_horizon_s: float,
-        overload_wait_share: float = 1.0,
-        overload_arrival_horizon_s: float = 0.0,
+        drain_rate_horizon_s: float = DRAIN_RATE_HORIZON_S,
     ) -> None:
         self._ledger = ledger
         self._queued = queued
@@ -52,12 +52,9 @@ class BackendPace:
         self.drain = DecayingRate(drain_rate_horizon_s)
         self._busy = BusyClock(now)
         # Blocks freed per second while requests wait in the queue (the backend saturated):
-        # the rate queue waits are predicted at and the virtual backlog drains at.
+        # the rate queue waits are predicted at.
         self.saturated_drain = DecayingRate(drain_rate_horizon_s)
         self._saturated = BusyClock(now)
-        self.virtual_backlog = VirtualBacklog(
-            share=overload_wait_share, arrival_horizon_s=overload_arrival_horizon_s
-        )
         self.first_token_after_admit = Ewma(SERVICE_TIME_EWMA_ALPHA)
         self.seconds_per_output_token = Ewma(SERVICE_TIME_EWMA_ALPHA)
 
@@ -72,6 +69,15 @@ class BackendPace:
         """The ledger has just closed a reservation of `freed_blocks`."""
         # That request was in flight since its admission, which advanced the busy clock: all
         # of the interval since the clock's last mark was busy.
+        busy_s = self._busy.advance(now, True)
+        saturated_s = self.saturated_time(now)
+        self.drain.add(freed_blocks, busy_s)
+        if self._queued():
+            self.saturated_drain.add(freed_blocks, saturated_s)
+
+    def completed_elsewhere(self, freed_blocks: int, now: float) -> None:
+        """Other kvgate processes sharing the backend completed reservations of `freed_blocks`
+        since they last said (see gateway.shared_view): the backend drained them too."""
         busy_s = self._busy.advance(now, True)
         saturated_s = self.saturated_time(now)
         self.drain.add(freed_blocks, busy_s)
@@ -118,7 +124,9 @@ class BackendPace:
 
     def busy_time(self, now: float) -> float:
         """Advance the busy clock to `now`, busy if anything is in the ledger now."""
-        return self._busy.advance(now, self._ledger.totals().entries > 0)
+        # Reserved blocks count the other processes' requests too, when the ledger is shared.
+        totals = self._ledger.totals()
+        return self._busy.advance(now, totals.entries > 0 or totals.reserved_blocks > 0)
 
     def saturated_time(self, now: float) -> float:
         """Advance the saturated clock (it runs while requests wait in the queue) to `now`.
@@ -165,27 +173,12 @@ class BackendPace:
 
     # -- what the decisions read ----------------------------------------------------------------
 
-    def plain_queue_wait(self, now: float) -> float | None:
-        """Seconds an arrival would wait now in a plain queue that sheds nothing."""
-        rate = self.capacity_rate(now)
-        return self.virtual_backlog.wait_s(now, rate) if rate else None
-
-    def beyond_capacity(self, ask: Ask, now: float) -> bool:
-        """Offer the arrival to the virtual backlog: whether a plain queue would serve it past
-        its deadline while it has a first-token objective before that deadline (then the
-        objective decides; see `gateway.admission`)."""
-        rate = self.capacity_rate(now)
-        if not rate:
-            return False
-        beyond = self.virtual_backlog.offer(ask.reserve_blocks, now, rate, ask.deadline_at - now)
-        return beyond and ask.objective_at < ask.deadline_at
-
-    def service_estimate(self, reserve_output_tokens: int) -> ServiceEstimate:
+    def service_estimate(self, output_tokens: int) -> ServiceEstimate:
         """What a request still needs once admitted: its first token, and its whole answer of
-        `reserve_output_tokens` (0 for what is not measured yet)."""
+        `output_tokens` (0 for what is not measured yet)."""
         first = self.first_token_after_admit.value or 0.0
         per_token = self.seconds_per_output_token.value
-        complete = first + (per_token * reserve_output_tokens if per_token is not None else 0.0)
+        complete = first + (per_token * output_tokens if per_token is not None else 0.0)
         return ServiceEstimate(first, complete)
 
     def describe(self, now: float) -> dict[str, Any]:
@@ -194,7 +187,6 @@ class BackendPace:
             "drain_rate_blocks_per_s": _round(self.drain_rate(now)),
             # None until measured (the queue then predicts at the busy-time rate).
             "saturated_drain_rate_blocks_per_s": _round(self.saturated_rate(now)),
-            "plain_queue_wait_s": _round(self.plain_queue_wait(now)),
             "first_token_after_admit_s": _round(self.first_token_after_admit.value),
             "seconds_per_output_token": _round(self.seconds_per_output_token.value),
         }
@@ -204,4 +196,4 @@ def _round(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
-__all__ = ["CLIENT_PACED_SHARE", "SERVICE_TIME_EWMA_ALPHA", "BackendPace"]
+__all__ = ["CLIENT_PACED_SHARE", "DRAIN_RATE_HORIZON_S", "SERVICE_TIME_EWMA_ALPHA", "BackendPace"]

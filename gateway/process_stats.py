@@ -21,6 +21,8 @@ _STATUS = Path("/proc/self/status")
 
 @dataclass(frozen=True, slots=True)
 class ProcessStats:
+    # Which process answered: with `workers` > 1, each is a kvgate of its own.
+    pid: int
     asyncio_tasks: int
     # None where the platform has no /proc (the figures are Linux's).
     open_fds: int | None
@@ -56,6 +58,7 @@ def process_stats() -> ProcessStats:
     # ru_maxrss is in KiB on Linux.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return ProcessStats(
+        pid=os.getpid(),
         asyncio_tasks=len(asyncio.all_tasks()),
         open_fds=fds,
         rss_bytes=_status_field(status, "VmRSS"),

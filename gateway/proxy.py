@@ -35,14 +35,22 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import types
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, InvalidRequestError, UpstreamError, UpstreamTimeoutError, to_http
+from gateway.errors import (
+    GatewayError,
+    InvalidRequestError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    to_http,
+)
 from gateway.outcomes import Outcome
 from gateway.sse import BodyUsage, StreamTally, Usage
 from gateway.upstream import READ_HIGH_WATER_BYTES, Upstream, UpstreamRequest, UpstreamResponse
@@ -158,6 +166,10 @@ class RelayResult:
     counts_trusted: bool = True
 
 
+# Given the failed connection's error, the upstream and request to try instead, or None.
+Reroute = Callable[[UpstreamConnectError], "tuple[Upstream, UpstreamRequest] | None"]
+
+
 class RelayObserver(Protocol):
     """Receives the relay's events. All calls happen on the event loop and must not block."""
 
@@ -172,6 +184,23 @@ class RelayObserver(Protocol):
 
 class _ClientGoneError(Exception):
     pass
+
+
+@types.coroutine
+def _resumed(steps: Generator[Any, None, object], waiting_for: Any) -> Generator[Any, None, object]:
+    """Go on awaiting `steps`, an awaitable's iterator whose first step yielded `waiting_for`:
+    hand that to the task, then resume the rest as `await` would (`yield from`), passing
+    anything thrown in while it waits (the task's cancellation) to the awaitable."""
+    while True:
+        try:
+            yield waiting_for
+        except BaseException as exc:
+            try:
+                waiting_for = steps.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+            continue
+        return (yield from steps)
 
 
 class _Ending(enum.Enum):
@@ -195,8 +224,10 @@ class RelayResponse(Response):
         timeouts: RelayTimeouts,
         extra_headers: Mapping[str, str],
         clock: Callable[[], float],
+        reroute: Reroute | None = None,
     ) -> None:
         # Starlette's Response.__init__ is bypassed: this class writes its own messages.
+        self._reroute = reroute
         self.status_code = 200
         self.background = None
         self._upstream_client = upstream
@@ -212,7 +243,6 @@ class RelayResponse(Response):
         self._ending: _Ending | None = None
         self._sending_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self._yielded = False
 
     def _now(self) -> float:
         return self._clock()
@@ -265,31 +295,47 @@ class RelayResponse(Response):
             self._task.cancel()
 
     async def _send(self, send: Send, message: dict[str, object]) -> None:
+        started = self._loop.time()
+        waiting = self._start_write(send, message)
+        if waiting is not None:
+            await self._wait_for_client(*waiting, started)
+
+    def _start_write(
+        self, send: Send, message: dict[str, object]
+    ) -> tuple[Generator[Any, None, object], Any] | None:
+        """Run the first step of a write: None when it is done, else the write's steps and what
+        they wait for (see `_wait_for_client`).
+
+        The first step is run here rather than awaited, to learn whether the write waits for
+        the client (the server's flow control holds it while the client's window is full) or
+        goes straight to the transport, which is almost every write. Only a wait is the client's
+        time: a write that never waits but took long (another thread held the GIL meanwhile) is
+        not. (A probe callback per write said the same and cost more than the rest of the write.)
+        """
+        steps = send(message).__await__()
+        try:
+            return steps, steps.send(None)
+        except StopIteration:
+            return None
+        except OSError as exc:  # a server that reports the client gone instead of dropping
+            raise _ClientGoneError() from exc
+
+    async def _wait_for_client(
+        self, steps: Generator[Any, None, object], waiting_for: Any, started: float
+    ) -> None:
+        """The rest of a write that waits, begun at `started`: its time is the client's."""
         loop = self._loop
-        started = loop.time()
         self._sending_since = started
         if self._watchdog is None:
-            # One timer per relay at a time, re-armed only while a write is pending: the cost
-            # of a timer per chunk would show on the proxy's overhead.
+            # One timer per relay at a time, armed only by a write that waits.
             self._watchdog = loop.call_at(started + self._timeouts.client_write_s, self._check_write)
-        # Runs only if `send` gives the loop a turn, i.e. waits for the client (flow control):
-        # the time of a send that never yields (its bytes went straight to the transport, or
-        # another thread held the GIL meanwhile) is not the client's.
-        self._yielded = False
-        probe = loop.call_soon(self._mark_yielded)
         try:
-            await send(message)
-        except OSError as exc:  # a server that reports the client gone instead of dropping
+            await _resumed(steps, waiting_for)
+        except OSError as exc:
             raise _ClientGoneError() from exc
         finally:
             self._sending_since = None
-            if self._yielded:
-                self._result.client_wait_s += loop.time() - started
-            else:
-                probe.cancel()
-
-    def _mark_yielded(self) -> None:
-        self._yielded = True
+            self._result.client_wait_s += loop.time() - started
 
     def _check_write(self) -> None:
         self._watchdog = None
@@ -315,7 +361,15 @@ class RelayResponse(Response):
         loop = asyncio.get_running_loop()
         first_byte_deadline = loop.time() + self._timeouts.first_byte_s
         try:
-            upstream = await self._upstream_client.send(self._request, first_byte_deadline)
+            try:
+                upstream = await self._upstream_client.send(self._request, first_byte_deadline)
+            except UpstreamConnectError as exc:
+                # The backend never saw it: another one of the model may take it, once.
+                elsewhere = self._reroute(exc) if self._reroute is not None else None
+                if elsewhere is None:
+                    raise
+                self._upstream_client, self._request = elsewhere
+                upstream = await self._upstream_client.send(self._request, first_byte_deadline)
         except TimeoutError:
             await self._send_error(send, UpstreamTimeoutError("the backend did not answer in time"))
             return Outcome.UPSTREAM_ERROR
@@ -343,18 +397,32 @@ class RelayResponse(Response):
         self._result.streamed = True
         tally = StreamTally()
         await self._send(send, {"type": "http.response.start", "status": upstream.status, "headers": headers})
-        deadline: float | None = first_byte_deadline
+        between_chunks_s = self._timeouts.between_chunks_s
+        on_tokens = self._observer.on_tokens
         try:
-            while True:
-                chunk = await next_chunk(deadline)
-                if chunk is None:
-                    break
-                if deadline is not None:
-                    deadline = None
-                    self._first_byte()
-                for choice, tokens in tally.feed(chunk):
-                    self._observer.on_tokens(choice, tokens)
-                await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            chunk = await upstream.receive(first_byte_deadline)
+            if chunk:
+                self._first_byte()
+            while chunk:
+                growth = tally.feed(chunk)
+                if len(growth) == 1:
+                    on_tokens(*growth[0])
+                elif growth:
+                    # One call per choice and chunk: a chunk of many events (a relay that fell
+                    # behind, several tokens per engine step) costs the ledger one growth.
+                    per_choice: dict[int, int] = {}
+                    for choice, tokens in growth:
+                        per_choice[choice] = per_choice.get(choice, 0) + tokens
+                    for choice, tokens in per_choice.items():
+                        on_tokens(choice, tokens)
+                # What _send does, without a coroutine of its own per chunk.
+                started = loop.time()
+                waiting = self._start_write(
+                    send, {"type": "http.response.body", "body": chunk, "more_body": True}
+                )
+                if waiting is not None:
+                    await self._wait_for_client(*waiting, started)
+                chunk = await upstream.receive(loop.time() + between_chunks_s)
         except (TimeoutError, UpstreamError) as exc:
             if isinstance(exc, UpstreamError) and not isinstance(exc, UpstreamTimeoutError):
                 message, code = f"the backend broke off the stream: {exc.message}", 502

@@ -1,7 +1,7 @@
 """The HTTP surface of `kvgate serve`.
 
 - `POST /v1/chat/completions`, `POST /v1/completions`: admission-controlled, streamed back
-  byte for byte (see `gateway.service`).
+  byte for byte (see `gateway.router`).
 - `GET /v1/models`: the backend's own answer, relayed (no admission: it costs no KV blocks).
 - Any other `/v1/*` path is refused with an OpenAI-shaped 404 that names what is served.
   Proxying them unadmitted would let KV-consuming work (embeddings, responses, audio) past
@@ -11,7 +11,8 @@
   never the backend's address or credentials, see `gateway.errors.failure_reason`).
 - `GET /metrics`: the gateway's own Prometheus metrics.
 - `GET /admin/state`: budget, ledger, queue, backend, output-length model, the latest
-  requests and the process's own figures (tasks, descriptors, memory) as JSON.
+  requests, the process's own figures (tasks, descriptors, memory) and the event loop's lag
+  (the worst, the latest stalls and their likeliest cause, see `gateway.loop_lag`) as JSON.
   `POST /admin/reload`: re-read the settings and apply those that may change at run time
   (as SIGHUP does; see `gateway.lifecycle`). Both need the admin token
   (`Authorization: Bearer ...` or `X-Kvgate-Admin-Token`) when one is set, and are off on a
@@ -62,13 +63,14 @@ from gateway.errors import (
     failure_reason,
     to_http,
 )
+from gateway.json_body import BodyParser, TooManyContainersError
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import ADMIN_ERRORS, BACKEND_ERRORS, ErrorBody, install_openapi
 from gateway.outcomes import CLIENT_CLOSED_STATUS, Outcome
 from gateway.process_stats import process_stats
 from gateway.recent import RequestSummary
 from gateway.request_id import RequestIdMiddleware, request_id_of
-from gateway.service import BackendGateway, ClientGoneError
+from gateway.router import ClientGoneError, Router
 from gateway.settings import Settings, is_loopback
 
 SERVED_V1_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -80,8 +82,8 @@ def error_response(error: GatewayError, extra_headers: dict[str, str] | None = N
     return Response(http.body, status_code=http.status, headers=headers, media_type="application/json")
 
 
-def _gateway(request: Request) -> BackendGateway:
-    gateway: BackendGateway = request.app.state.kvgate
+def _gateway(request: Request) -> Router:
+    gateway: Router = request.app.state.kvgate
     return gateway
 
 
@@ -121,11 +123,14 @@ async def _received(body: Awaitable[bytes], timeout_s: float) -> bytes:
         raise RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
-def _parse_json(raw: bytes) -> Any:
+async def _parse_json(parser: BodyParser, raw: bytes) -> Any:
+    """The body as JSON, a large one parsed in steps that let the loop run (gateway.json_body)."""
     if not raw:
         raise InvalidRequestError("the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        return json.loads(raw)
+        return await parser.parse(raw)
+    except TooManyContainersError as exc:
+        raise InvalidRequestError(f"the request body is too complex: {exc}", code="body_too_complex") from exc
     except (ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
 
@@ -138,7 +143,7 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
         raw = await _received(
             _read_body(request, gateway.settings.max_body_bytes), gateway.settings.body_timeout_s
         )
-        body = _parse_json(raw)
+        body = await _parse_json(request.app.state.body_parser, raw)
         prepared = await gateway.prepare(route, body, raw, request.headers, arrived_at, request_id)
     except GatewayError as exc:
         gateway.refused_early(request_id, route, exc, arrived_at)
@@ -148,7 +153,7 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
         gateway.conclude(
             RequestSummary(
                 request_id,
-                gateway.name,
+                gateway.label_before_placing(),
                 route.value,
                 Outcome.CLIENT_GONE,
                 CLIENT_CLOSED_STATUS,
@@ -168,7 +173,10 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
         queued_ms = round(max(0.0, gateway.clock() - entered_at) * 1000)
         return error_response(
             exc,
-            {"x-kvgate-queue-ms": str(queued_ms), "x-kvgate-blocks": str(prepared.demand.reserved_blocks)},
+            {
+                "x-kvgate-queue-ms": str(queued_ms),
+                "x-kvgate-blocks": str(prepared.reference.demand.reserved_blocks),
+            },
         )
     # No await between admission and handing the reservation to the response that completes it.
     try:
@@ -202,18 +210,36 @@ GENERATION_ENDPOINTS = {
 
 
 async def list_models(request: Request) -> Response:
+    """One backend's /v1/models as it answers; for a fleet, every model some backend serves
+    (each listed once, as the first backend in order that serves it describes it)."""
     gateway = _gateway(request)
-    settings = gateway.settings
-    headers = (
-        {"authorization": f"Bearer {settings.backend_api_key.get_secret_value()}"}
-        if settings.backend_api_key
-        else {}
+    answers = await asyncio.gather(
+        *(_backend_models(gateway, backend.url, backend.headers) for backend in gateway.backends)
     )
+    if len(answers) == 1:
+        return answers[0]
+    listed: dict[str, Any] = {}
+    for answer in answers:
+        if answer.status_code != 200:
+            continue
+        try:
+            data = json.loads(bytes(answer.body)).get("data")
+        except (ValueError, AttributeError):
+            continue
+        for item in data if isinstance(data, list) else ():
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                listed.setdefault(item["id"], item)
+    if not listed:
+        return answers[0]
+    return JSONResponse({"object": "list", "data": list(listed.values())})
+
+
+async def _backend_models(gateway: Router, url: str, headers: dict[str, str]) -> Response:
     try:
         upstream = await gateway.client.get(
-            f"{settings.backend_url}/v1/models",
+            f"{url}/v1/models",
             headers=headers,
-            timeout=httpx.Timeout(settings.discovery_timeout_s),
+            timeout=httpx.Timeout(gateway.settings.discovery_timeout_s),
         )
     except httpx.TimeoutException as exc:
         return error_response(
@@ -347,9 +373,10 @@ async def admin_state(request: Request) -> Response:
         return refusal
     return JSONResponse(
         {
-            "backends": [gateway.describe()],
+            **gateway.describe(),
             "settings": gateway.settings.public_view(),
             "process": process_stats().to_json(),
+            "event_loop": request.app.state.loop_lag.recorder.summary().to_json(),
         }
     )
 

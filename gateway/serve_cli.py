@@ -3,6 +3,9 @@
 Every setting can come from a flag, a `KVGATE_*` environment variable or the `--config` file
 (flags win, then the environment, then the file); the common ones have flags of their own,
 any other is set with `--set NAME=VALUE` (names as in `gateway.settings.Settings`).
+
+`--workers N` (with `--redis URL`) runs N kvgate processes on the one port, which share their
+budget through Redis; this process then only holds the socket and watches them (gateway.workers).
 """
 
 from __future__ import annotations
@@ -10,11 +13,22 @@ from __future__ import annotations
 import argparse
 import gc
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+    from gateway.workers import SettingsSources
 
 EXIT_USAGE = 2
+
+
+# Flags whose value lands in settings of other names: one --backend is `backend_url`, several
+# are `backends`.
+FLAG_SETTINGS = {"backend_urls": ("backend_url", "backends")}
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,7 +42,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument(
-        "--backend", dest="backend_url", metavar="URL", help="vLLM base URL, e.g. http://127.0.0.1:8000"
+        "--backend",
+        dest="backend_urls",
+        action="append",
+        metavar="URL",
+        help="vLLM base URL, e.g. http://127.0.0.1:8000; repeat for several (NAME=URL names one)",
     )
     parser.add_argument("--model", help="served model name, or a model folder / id for the tokenizer")
     parser.add_argument("--tokenizer", help="tokenizer folder or id in the local Hugging Face cache")
@@ -39,6 +57,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "--log-format", choices=["text", "json"], help="text (default), or one JSON object per line"
+    )
+    parser.add_argument(
+        "--redis",
+        dest="redis_url",
+        metavar="URL",
+        help="share one budget with every kvgate on this Redis, e.g. redis://127.0.0.1:6379/0",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="processes serving on this host, sharing the port (default 1; more need --redis)",
     )
     parser.add_argument(
         "--set",
@@ -60,7 +90,6 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     values: dict[str, Any] = {
         name: getattr(args, name)
         for name in (
-            "backend_url",
             "model",
             "tokenizer",
             "host",
@@ -68,8 +97,15 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
             "backend_name",
             "log_level",
             "log_format",
+            "redis_url",
+            "workers",
         )
     }
+    urls = args.backend_urls or []
+    if len(urls) == 1 and "=" not in urls[0].split("://", 1)[0]:
+        values["backend_url"] = urls[0]
+    elif urls:
+        values["backends"] = urls
     for assignment in args.assignments:
         name, sep, value = assignment.partition("=")
         if not sep or not name.strip():
@@ -84,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     from gateway.settings import ConfigFileError, load_settings
 
     try:
-        settings = load_settings(overrides_from(args), config_file=args.config)
+        overrides = overrides_from(args)
+        settings = load_settings(overrides, config_file=args.config)
     except UsageError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -98,6 +135,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {where}: {error['msg']}", file=sys.stderr)
         return EXIT_USAGE
 
+    from gateway.workers import SettingsSources, supervise
+
+    sources = SettingsSources(overrides, args.config)
+    if settings.workers > 1:
+        # This process only holds the socket and watches the workers (gateway.workers).
+        return supervise(settings, sources)
+    serve_gateway(settings, sources)
+    return 0
+
+
+def serve_gateway(
+    settings: Settings,
+    sources: SettingsSources,
+    *,
+    sockets: list[socket.socket] | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> bool:
+    """Run one whole kvgate in this process until it is stopped: on settings.host and port, or
+    on `sockets` inherited from the parent of several workers. `sources` are where the settings
+    came from, re-read on reloads. Returns whether it ever served (see gateway.lifecycle.serve)."""
     from gateway.app import create_app
     from gateway.lifecycle import serve
     from gateway.logs import configure_logging
@@ -114,10 +171,12 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     # SIGTERM drains, SIGHUP reloads from the same sources (see gateway.lifecycle).
-    serve(
+    return serve(
         app,
         settings,
-        load_settings=lambda: load_settings(overrides_from(args), config_file=args.config),
+        load_settings=sources.load,
+        sockets=sockets,
+        on_started=on_started,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -127,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         # Responses carry the backend's headers and kvgate's, not an advert for the server.
         server_header=False,
         lifespan="on",
-        # One worker: the ledger and the queue live in this process.
+        # One worker per process: the ledger and the queue live in it (several processes are
+        # gateway.workers' job, each with a whole kvgate of its own).
         workers=1,
     )
-    return 0

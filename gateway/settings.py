@@ -11,13 +11,15 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import re
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from gateway.admission import Priority
@@ -38,51 +40,28 @@ DEFAULT_BACKEND_DOWN_AFTER_FAILURES = 2
 # requests that ended this recently may still be counted there (not someone else's usage).
 DEFAULT_SETTLE_S = 0.5
 
-# AIMD on the admissible share of the KV pool.
+# The admissible share of the KV pool (docs/admission.md, "The admissible budget").
 DEFAULT_BUDGET_MIN_FRACTION = 0.5
 DEFAULT_BUDGET_MAX_FRACTION = 1.0
-DEFAULT_BUDGET_INITIAL_FRACTION = 1.0
 DEFAULT_AIMD_DECREASE_FACTOR = 0.8
 DEFAULT_AIMD_INCREASE_PER_S = 0.02
-DEFAULT_AIMD_QUIET_S = 5.0
-DEFAULT_AIMD_DECREASE_COOLDOWN_S = 2.0
-# How far past budget_max_fraction quiet periods may grow the share while requests wait and
-# vLLM leaves a quarter of the pool unused (see gateway.capacity); 0: never. Measured on the
-# CPU testbed (see docs/measurements.md): it engaged on long answers and not on long prompts.
-DEFAULT_BUDGET_OVERCOMMIT = 0.5
-DEFAULT_BUDGET_OVERCOMMIT_ROOM = 0.25
+# How far past budget_max_fraction the share may grow while requests wait and vLLM leaves part
+# of the pool unused (see gateway.capacity); 0: never.
+DEFAULT_BUDGET_OVERCOMMIT = 1.0
 
 # Output-length model.
 DEFAULT_OUTPUT_QUANTILE = 0.9
 DEFAULT_OUTPUT_MIN_SAMPLES = 20
-DEFAULT_OUTPUT_WINDOW_SAMPLES = 1000
 
-# Queue.
+# Queue: per priority class, how many may wait and for how long at most.
 DEFAULT_QUEUE_MAX_REQUESTS = 256
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
-DEFAULT_HOL_MAX_BYPASS = 128
 # A waiter that does not fit blocks the queue once its wait, were blocks held for it, reaches
 # this share of the time left to its deadline (see gateway.admission).
 DEFAULT_HOL_DEADLINE_SHARE = 0.5
-DEFAULT_DRAIN_RATE_HORIZON_S = 10.0
-# When an arrival finds the backend beyond capacity, requests that joined the queue this
-# recently are judged by their first-token objectives too (see gateway.waitqueue); a 429 for
-# them still comes within this long of their arrival.
-DEFAULT_OBJECTIVE_LOOKBACK_S = 0.75
-# The load counts as beyond capacity once a plain queue would keep an arrival waiting this share
-# of its deadline budget (see gateway.rates.VirtualBacklog).
-DEFAULT_OVERLOAD_WAIT_SHARE = 1.0
-# Over this many seconds the offered load is measured, to project a plain queue's wait ahead
-# (see gateway.rates.VirtualBacklog); 0: no projection.
-DEFAULT_OVERLOAD_ARRIVAL_HORIZON_S = 0.0
 # An arrival joins the queue only when predicted to leave it this share of its time to the
 # deadline early (see gateway.admission.PolicyConfig.arrival_slack).
 DEFAULT_ARRIVAL_SLACK = 0.1
-DEFAULT_RETRY_AFTER_S = 1.0
-DEFAULT_RETRY_AFTER_MIN_S = 0.25
-# The OpenAI SDK ignores retry hints above 60 s and falls back on its own backoff.
-DEFAULT_RETRY_AFTER_MAX_S = 60.0
-DEFAULT_SERVICE_TIME_MARGIN = 1.0
 
 # Forwarding.
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -127,119 +106,355 @@ DEFAULT_RECENT_REQUESTS = 100
 MAX_RECENT_REQUESTS = 10_000
 
 
+class PriorityClass(BaseModel):
+    """What one priority class may hold in the queue (docs/admission.md, "Classes")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queue_max: int = Field(
+        DEFAULT_QUEUE_MAX_REQUESTS, ge=0, description="requests of the class that may wait"
+    )
+    queue_timeout_s: float = Field(
+        DEFAULT_QUEUE_TIMEOUT_S,
+        gt=0,
+        le=86_400,
+        description="longest wait in the queue, whatever the deadline",
+    )
+
+
+def _default_classes() -> dict[Priority, PriorityClass]:
+    return {
+        priority: PriorityClass(queue_max=DEFAULT_QUEUE_MAX_REQUESTS, queue_timeout_s=DEFAULT_QUEUE_TIMEOUT_S)
+        for priority in Priority
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """Where a backend is and what it is called in metrics, logs and /admin/state. With
+    `resolve`, `url`'s host is a DNS name each of whose addresses is a backend (a Kubernetes
+    headless Service), named `address:port`."""
+
+    name: str
+    url: str
+    resolve: bool = False
+
+
+# The scheme prefix of a backend entry whose host name stands for all of its addresses.
+DNS_SCHEME_PREFIX = "dns+"
+
+
+_BACKEND_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+def _backend_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in {"http", "https"} or not parts.netloc:
+        raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
+    if parts.query or parts.fragment:
+        raise ValueError("must not carry a query or fragment")
+    return value.rstrip("/")
+
+
+def _backend_spec(entry: str) -> BackendSpec:
+    """'URL', 'NAME=URL' or 'dns+URL'; an unnamed backend is labelled by its host and port."""
+    name, sep, url = entry.partition("=")
+    if not sep or "://" in name:
+        name, url = "", entry
+    url = url.strip()
+    resolve = url.startswith(DNS_SCHEME_PREFIX)
+    if resolve:
+        url = url[len(DNS_SCHEME_PREFIX) :]
+    url = _backend_url(url)
+    if not name:
+        parts = urlsplit(url)
+        name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    if not _BACKEND_NAME.match(name):
+        raise ValueError(f"backend name {name!r}: use letters, digits and . _ : - (64 at most)")
+    return BackendSpec(name, url, resolve)
+
+
 class Settings(BaseSettings):
-    """Everything `kvgate serve` can be told. Build it with `load_settings` (or directly)."""
+    """Everything `kvgate serve` can be told. Build it with `load_settings` (or directly).
+
+    Each field's description is its line in the README's settings table, which
+    `python -m gateway.settings_doc` writes (a test keeps the two in sync)."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True
     )
 
     # Where and what to serve.
-    backend_url: str = Field(description="Base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
-    backend_name: str = Field(DEFAULT_BACKEND_NAME, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    model: str | None = Field(None, description="Served model name, or a model folder / id for the tokenizer")
-    tokenizer: str | None = Field(None, description="Tokenizer folder or id in the local HF cache")
-    host: str = DEFAULT_HOST
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
-    admin_token: SecretStr | None = None
+    backend_url: str | None = Field(
+        None, description="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000 (one backend)"
+    )
+    backends: list[str] = Field(
+        default_factory=list,
+        description=(
+            "several backends instead: each 'URL' (labelled host:port), 'NAME=URL', or "
+            "'dns+URL' (every address the host name resolves to is a backend, re-resolved)"
+        ),
+    )
+    backend_name: str = Field(
+        DEFAULT_BACKEND_NAME,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the backend's label in metrics, logs and /admin/state",
+    )
+    model: str | None = Field(
+        None,
+        description="served model name, or a model folder / id for the tokenizer (default: the first served)",
+    )
+    tokenizer: str | None = Field(
+        None, description="tokenizer folder or id in the local Hugging Face cache (default: the model's)"
+    )
+    host: str = Field(DEFAULT_HOST, description="address to listen on")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
+    admin_token: SecretStr | None = Field(
+        None, description="token that /admin/* requires (Authorization: Bearer); unset: see admin_api"
+    )
     # Who may raise a request's priority (X-Kvgate-Priority: high, or vLLM's body field
     # `priority` below 0): clients that send this token in X-Kvgate-Priority-Token. Unset:
     # nobody (high counts as normal; see gateway.client_hints). Lowering is always allowed.
-    priority_token: SecretStr | None = None
-    # The admin endpoints (/admin/*): "auto" serves them when an admin token is set (and then
-    # requires it) or, without one, only on a loopback bind; "on" also serves them without a
-    # token on a public bind; "off" never serves them.
-    admin_api: Literal["auto", "on", "off"] = "auto"
-    backend_api_key: SecretStr | None = None
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # "json": one JSON object per log line (see gateway.logs); "text": human-readable lines.
-    log_format: Literal["text", "json"] = "text"
-    recent_requests: int = Field(DEFAULT_RECENT_REQUESTS, ge=0, le=MAX_RECENT_REQUESTS)
+    priority_token: SecretStr | None = Field(
+        None,
+        description="token in X-Kvgate-Priority-Token that lets a client raise its priority; unset: nobody may",
+    )
+    # vLLM started with --scheduling-policy priority serves lower values of the body's
+    # `priority` first; kvgate's classes map onto it (high -1, normal 0, low 1) for requests
+    # that do not set it themselves.
+    priority_to_backend: bool = Field(
+        False,
+        description="pass X-Kvgate-Priority on to vLLM as the body's priority (for --scheduling-policy priority)",
+    )
+    # "auto" serves the admin endpoints when an admin token is set (and then requires it) or,
+    # without one, only on a loopback bind; "on" also serves them without a token on a public
+    # bind; "off" never serves them.
+    admin_api: Literal["auto", "on", "off"] = Field(
+        "auto", description="serve /admin/*: auto (with a token, or on a loopback bind without), on, off"
+    )
+    backend_api_key: SecretStr | None = Field(
+        None, description="API key kvgate sends to vLLM (its --api-key)"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text, or json: one JSON object per log line (see gateway.logs)"
+    )
+    recent_requests: int = Field(
+        DEFAULT_RECENT_REQUESTS,
+        ge=0,
+        le=MAX_RECENT_REQUESTS,
+        description="summaries of the last requests kept for /admin/state and /dashboard",
+    )
 
     # Budget (measure).
-    metrics_poll_interval_s: float = Field(DEFAULT_METRICS_POLL_INTERVAL_S, gt=0, le=60)
-    metrics_timeout_s: float = Field(DEFAULT_METRICS_TIMEOUT_S, gt=0, le=60)
-    metrics_stale_after_s: float = Field(DEFAULT_METRICS_STALE_AFTER_S, gt=0)
-    unknown_budget: Literal["saturated", "ledger"] = "saturated"
-    backend_down_after_failures: int = Field(DEFAULT_BACKEND_DOWN_AFTER_FAILURES, ge=1)
-    settle_s: float = Field(DEFAULT_SETTLE_S, ge=0)
-    budget_min_fraction: float = Field(DEFAULT_BUDGET_MIN_FRACTION, gt=0, le=1)
-    budget_max_fraction: float = Field(DEFAULT_BUDGET_MAX_FRACTION, gt=0, le=1)
-    budget_initial_fraction: float = Field(DEFAULT_BUDGET_INITIAL_FRACTION, gt=0, le=1)
-    aimd_decrease_factor: float = Field(DEFAULT_AIMD_DECREASE_FACTOR, gt=0, lt=1)
-    aimd_increase_per_s: float = Field(DEFAULT_AIMD_INCREASE_PER_S, ge=0)
-    aimd_quiet_s: float = Field(DEFAULT_AIMD_QUIET_S, ge=0)
-    aimd_decrease_cooldown_s: float = Field(DEFAULT_AIMD_DECREASE_COOLDOWN_S, ge=0)
-    budget_overcommit: float = Field(DEFAULT_BUDGET_OVERCOMMIT, ge=0, le=1)
-    budget_overcommit_room: float = Field(DEFAULT_BUDGET_OVERCOMMIT_ROOM, gt=0, lt=1)
-    # Commit the projected peak of the requests in flight together rather than the sum of
-    # their peaks (see gateway.ledger). Off by default: it admits more at once, which pays where
-    # the KV cache is what binds (long answers) and costs where compute does (docs/measurements.md).
-    kv_multiplexing: bool = False
-    # Commit the output_quantile of the sum of what the requests in flight still have to
-    # produce rather than the sum of their quantiles (see gateway.ledger).
-    output_pooling: bool = False
+    metrics_poll_interval_s: float = Field(
+        DEFAULT_METRICS_POLL_INTERVAL_S, gt=0, le=60, description="how often vLLM's /metrics is read"
+    )
+    metrics_timeout_s: float = Field(
+        DEFAULT_METRICS_TIMEOUT_S, gt=0, le=60, description="total time limit of one /metrics scrape"
+    )
+    metrics_stale_after_s: float = Field(
+        DEFAULT_METRICS_STALE_AFTER_S, gt=0, description="age past which the last scrape no longer counts"
+    )
+    unknown_budget: Literal["saturated", "ledger"] = Field(
+        "saturated",
+        description="without fresh metrics: saturated (admit nothing new) or ledger (trust kvgate's own count)",
+    )
+    backend_down_after_failures: int = Field(
+        DEFAULT_BACKEND_DOWN_AFTER_FAILURES,
+        ge=1,
+        description="consecutive unreachable scrapes that mark the backend down (queue answered 503)",
+    )
+    settle_s: float = Field(
+        DEFAULT_SETTLE_S,
+        ge=0,
+        description="requests younger than this at a scrape earn no credit from vLLM's lower usage",
+    )
+    budget_min_fraction: float = Field(
+        DEFAULT_BUDGET_MIN_FRACTION, gt=0, le=1, description="lowest admissible share of the KV pool"
+    )
+    budget_max_fraction: float = Field(
+        DEFAULT_BUDGET_MAX_FRACTION,
+        gt=0,
+        le=1,
+        description="highest admissible share of the pool before overcommit; the share starts here",
+    )
+    aimd_decrease_factor: float = Field(
+        DEFAULT_AIMD_DECREASE_FACTOR, gt=0, lt=1, description="the share is multiplied by this on preemptions"
+    )
+    aimd_increase_per_s: float = Field(
+        DEFAULT_AIMD_INCREASE_PER_S, ge=0, description="share of the pool added back per quiet second"
+    )
+    budget_overcommit: float = Field(
+        DEFAULT_BUDGET_OVERCOMMIT,
+        ge=0,
+        le=1,
+        description="how far past budget_max_fraction the share may grow while vLLM leaves a quarter of the pool unused",
+    )
 
     # Output length (estimate).
-    output_quantile: float = Field(DEFAULT_OUTPUT_QUANTILE, gt=0, le=1)
-    output_min_samples: int = Field(DEFAULT_OUTPUT_MIN_SAMPLES, ge=1)
-    output_window_samples: int = Field(DEFAULT_OUTPUT_WINDOW_SAMPLES, ge=1)
+    output_quantile: float = Field(
+        DEFAULT_OUTPUT_QUANTILE,
+        gt=0,
+        le=1,
+        description="quantile of learned answer lengths that a request reserves",
+    )
+    output_min_samples: int = Field(
+        DEFAULT_OUTPUT_MIN_SAMPLES,
+        ge=1,
+        description="answers a model needs before its learned lengths are used",
+    )
     # Until a model has output_min_samples answers of its own, reserve the output_quantile of
     # the backend's histogram of output lengths (vllm:request_generation_tokens) rather than
     # the cap, once that histogram holds output_min_samples answers (see gateway.output_model).
-    output_backend_prior: bool = True
+    output_backend_prior: bool = Field(
+        True, description="before that, use vLLM's histogram of answer lengths rather than max_tokens"
+    )
 
     # Queue (decide).
-    queue_max_high: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
-    queue_max_normal: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
-    queue_max_low: int = Field(DEFAULT_QUEUE_MAX_REQUESTS, ge=0)
-    queue_timeout_high_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
-    queue_timeout_normal_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
-    queue_timeout_low_s: float = Field(DEFAULT_QUEUE_TIMEOUT_S, gt=0)
-    hol_max_bypass: int = Field(DEFAULT_HOL_MAX_BYPASS, ge=0)
-    hol_deadline_share: float = Field(DEFAULT_HOL_DEADLINE_SHARE, ge=0, le=1)
-    early_shed: bool = True
-    drain_rate_horizon_s: float = Field(DEFAULT_DRAIN_RATE_HORIZON_S, gt=0)
-    objective_lookback_s: float = Field(DEFAULT_OBJECTIVE_LOOKBACK_S, ge=0, le=10)
-    overload_wait_share: float = Field(DEFAULT_OVERLOAD_WAIT_SHARE, gt=0, le=1)
-    overload_arrival_horizon_s: float = Field(DEFAULT_OVERLOAD_ARRIVAL_HORIZON_S, ge=0, le=60)
-    arrival_slack: float = Field(DEFAULT_ARRIVAL_SLACK, ge=0, lt=1)
-    # Correct each arrival's predicted wait for its size, learned from past waits (see
-    # gateway.rates.WaitCalibration).
-    wait_calibration: bool = True
-    retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0)
-    retry_after_min_s: float = Field(DEFAULT_RETRY_AFTER_MIN_S, gt=0)
-    retry_after_max_s: float = Field(DEFAULT_RETRY_AFTER_MAX_S, gt=0)
-    service_time_margin: float = Field(DEFAULT_SERVICE_TIME_MARGIN, ge=0, le=2)
+    priority_classes: dict[Priority, PriorityClass] = Field(
+        default_factory=_default_classes,
+        description="per priority (high, normal, low): queue_max requests waiting, queue_timeout_s",
+    )
+    hol_deadline_share: float = Field(
+        DEFAULT_HOL_DEADLINE_SHARE,
+        ge=0,
+        le=1,
+        description="a waiter holds the queue once its wait reaches this share of its time left",
+    )
+    arrival_slack: float = Field(
+        DEFAULT_ARRIVAL_SLACK,
+        ge=0,
+        lt=1,
+        description="an arrival must be predicted to start this share of its time to the deadline early",
+    )
 
     # Forwarding.
-    connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0)
-    first_byte_timeout_s: float = Field(DEFAULT_FIRST_BYTE_TIMEOUT_S, gt=0)
-    between_chunk_timeout_s: float = Field(DEFAULT_BETWEEN_CHUNK_TIMEOUT_S, gt=0)
-    write_timeout_s: float = Field(DEFAULT_WRITE_TIMEOUT_S, gt=0)
-    client_write_timeout_s: float = Field(DEFAULT_CLIENT_WRITE_TIMEOUT_S, gt=0)
-    discovery_timeout_s: float = Field(DEFAULT_DISCOVERY_TIMEOUT_S, gt=0)
-    discovery_retry_s: float = Field(DEFAULT_DISCOVERY_RETRY_S, gt=0)
-    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1)
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
-    max_header_bytes: int = Field(DEFAULT_MAX_HEADER_BYTES, ge=1024)
-    header_timeout_s: float = Field(DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600)
-    body_timeout_s: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600)
-    max_client_connections: int = Field(DEFAULT_MAX_CLIENT_CONNECTIONS, ge=1)
+    connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0, description="connecting to vLLM")
+    first_byte_timeout_s: float = Field(
+        DEFAULT_FIRST_BYTE_TIMEOUT_S, gt=0, description="vLLM's first byte after the request was sent"
+    )
+    between_chunk_timeout_s: float = Field(
+        DEFAULT_BETWEEN_CHUNK_TIMEOUT_S, gt=0, description="silence between two chunks of vLLM's answer"
+    )
+    write_timeout_s: float = Field(
+        DEFAULT_WRITE_TIMEOUT_S, gt=0, description="sending a request body to vLLM"
+    )
+    client_write_timeout_s: float = Field(
+        DEFAULT_CLIENT_WRITE_TIMEOUT_S,
+        gt=0,
+        description="a client that reads nothing this long is dropped and its blocks released",
+    )
+    discovery_timeout_s: float = Field(
+        DEFAULT_DISCOVERY_TIMEOUT_S,
+        gt=0,
+        description="each request of backend discovery (/v1/models, /version)",
+    )
+    discovery_retry_s: float = Field(
+        DEFAULT_DISCOVERY_RETRY_S,
+        gt=0,
+        description="pause between discovery attempts until the backend answers",
+    )
+    max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS,
+        ge=1,
+        description="connections to each backend at most; a request waits in the queue for one, as for blocks",
+    )
+    redis_url: SecretStr | None = Field(
+        None,
+        description=(
+            "share one budget with every kvgate process on this Redis (redis:// or rediss:// for "
+            "TLS; user and password in the URL); unset: this process's own ledger"
+        ),
+    )
+    redis_key_prefix: str = Field(
+        "kvgate",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="keys of this deployment in Redis; deployments sharing a Redis need different ones",
+    )
+    redis_lease_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="a reservation its process stopped renewing (it died) returns its blocks after this",
+    )
+    redis_timeout_s: float = Field(
+        0.5, gt=0, description="a Redis call slower than this counts as Redis unavailable"
+    )
+    redis_unavailable: Literal["fail_closed", "fail_open"] = Field(
+        "fail_closed",
+        description=(
+            "while Redis is unreachable: admit nothing new (503 with Retry-After), or admit within "
+            "1/N of the budget, N the processes last seen alive"
+        ),
+    )
+    workers: int = Field(
+        1, ge=1, le=64, description="processes serving on this host; more than one needs redis_url"
+    )
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="largest request body (413 above)"
+    )
+    max_header_bytes: int = Field(
+        DEFAULT_MAX_HEADER_BYTES, ge=1024, description="request line and headers together (431 above)"
+    )
+    header_timeout_s: float = Field(
+        DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600, description="a request's head must arrive within this (408)"
+    )
+    body_timeout_s: float = Field(
+        DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600, description="its body within this after the head (408)"
+    )
+    max_client_connections: int = Field(
+        DEFAULT_MAX_CLIENT_CONNECTIONS,
+        ge=1,
+        description="open client connections at most (503 and close above)",
+    )
 
     # Shutdown.
-    shutdown_delay_s: float = Field(DEFAULT_SHUTDOWN_DELAY_S, ge=0)
-    shutdown_grace_s: float = Field(DEFAULT_SHUTDOWN_GRACE_S, ge=0)
+    shutdown_delay_s: float = Field(
+        DEFAULT_SHUTDOWN_DELAY_S, ge=0, description="on SIGTERM, keep listening (not ready) this long"
+    )
+    shutdown_grace_s: float = Field(
+        DEFAULT_SHUTDOWN_GRACE_S, ge=0, description="then let streams in flight finish for this long"
+    )
 
     # Tokenization.
-    tokenizer_threads: int = Field(DEFAULT_TOKENIZER_THREADS, ge=1, le=64)
-    tokenizer_max_pending: int = Field(DEFAULT_TOKENIZER_MAX_PENDING, ge=1)
-    tokenizer_inline_max_bytes: int = Field(DEFAULT_TOKENIZER_INLINE_MAX_BYTES, ge=0, le=64 * 1024)
+    tokenizer_threads: int = Field(
+        DEFAULT_TOKENIZER_THREADS, ge=1, le=64, description="threads that count prompts off the event loop"
+    )
+    tokenizer_max_pending: int = Field(
+        DEFAULT_TOKENIZER_MAX_PENDING, ge=1, description="bodies waiting to be counted at most (503 above)"
+    )
+    tokenizer_inline_max_bytes: int = Field(
+        DEFAULT_TOKENIZER_INLINE_MAX_BYTES,
+        ge=0,
+        le=64 * 1024,
+        description="bodies up to this size are counted on the event loop",
+    )
     # Chat templates sent in requests (`chat_template`, or inside `chat_template_kwargs`) are
     # code from the client. Off: refused with 400, as vLLM refuses them without its
     # --trust-request-chat-template. On: rendered in bounded worker processes (gateway.render_pool);
     # turn it on only together with vLLM's flag, or vLLM refuses what kvgate rendered.
-    trust_request_chat_template: bool = False
+    trust_request_chat_template: bool = Field(
+        False,
+        description="render chat templates sent in requests (with vLLM's --trust-request-chat-template)",
+    )
+
+    @field_validator("priority_classes", mode="before")
+    @classmethod
+    def _classes(cls, value: Any) -> Any:
+        # A partial table names only the classes it changes (`--set` and the environment hand
+        # it over as JSON text); every other class keeps the defaults.
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"must be a table of classes (JSON: {exc.msg})") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("must be a table of classes: high, normal, low")
+        return {**{priority.value: {} for priority in Priority}, **dict(value)}
 
     @field_validator("admin_token", "backend_api_key", "priority_token", mode="before")
     @classmethod
@@ -260,28 +475,44 @@ class Settings(BaseSettings):
 
     @field_validator("backend_url")
     @classmethod
-    def _http_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in {"http", "https"} or not parts.netloc:
-            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
-        if parts.query or parts.fragment:
-            raise ValueError("must not carry a query or fragment")
-        return value.rstrip("/")
+    def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else _backend_url(value)
+
+    @field_validator("backends")
+    @classmethod
+    def _backend_entries(cls, value: list[str]) -> list[str]:
+        specs = [_backend_spec(entry) for entry in value]
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two backends have the same name: {sorted(names)}")
+        return [f"{spec.name}={DNS_SCHEME_PREFIX if spec.resolve else ''}{spec.url}" for spec in specs]
+
+    def backend_specs(self) -> list[BackendSpec]:
+        """The backends to front, named: `backend_url` as `backend_name`, or `backends`."""
+        if self.backend_url is not None:
+            return [BackendSpec(self.backend_name, self.backend_url)]
+        return [_backend_spec(entry) for entry in self.backends]
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         problems: list[str] = []
-        if not self.budget_min_fraction <= self.budget_initial_fraction <= self.budget_max_fraction:
+        if (self.backend_url is None) == (not self.backends):
             problems.append(
-                "need budget_min_fraction <= budget_initial_fraction <= budget_max_fraction, got "
-                f"{self.budget_min_fraction} / {self.budget_initial_fraction} / {self.budget_max_fraction}"
+                "give either backend_url (one backend) or backends (several), not both nor neither"
             )
-        if self.output_window_samples < self.output_min_samples:
-            problems.append("output_window_samples must be >= output_min_samples")
-        if not self.retry_after_min_s <= self.retry_after_s <= self.retry_after_max_s:
-            problems.append("need retry_after_min_s <= retry_after_s <= retry_after_max_s")
+        if not self.budget_min_fraction <= self.budget_max_fraction:
+            problems.append(
+                "need budget_min_fraction <= budget_max_fraction, got "
+                f"{self.budget_min_fraction} / {self.budget_max_fraction}"
+            )
         if self.metrics_stale_after_s < self.metrics_poll_interval_s:
             problems.append("metrics_stale_after_s must be at least metrics_poll_interval_s")
+        if self.workers > 1 and self.redis_url is None:
+            problems.append("workers > 1 share one budget through Redis: set redis_url too")
+        if self.redis_url is not None and not self.redis_url.get_secret_value().startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            problems.append("redis_url must start with redis://, rediss:// or unix://")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -293,18 +524,10 @@ class Settings(BaseSettings):
         return self.admin_api == "on" or self.admin_token is not None or is_loopback(self.host)
 
     def queue_max(self) -> dict[Priority, int]:
-        return {
-            Priority.HIGH: self.queue_max_high,
-            Priority.NORMAL: self.queue_max_normal,
-            Priority.LOW: self.queue_max_low,
-        }
+        return {priority: cls.queue_max for priority, cls in self.priority_classes.items()}
 
     def queue_timeout_s(self) -> dict[Priority, float]:
-        return {
-            Priority.HIGH: self.queue_timeout_high_s,
-            Priority.NORMAL: self.queue_timeout_normal_s,
-            Priority.LOW: self.queue_timeout_low_s,
-        }
+        return {priority: cls.queue_timeout_s for priority, cls in self.priority_classes.items()}
 
     def public_view(self) -> dict[str, Any]:
         """The settings as JSON-safe values, secrets masked (for /admin/state and logs)."""
@@ -312,7 +535,9 @@ class Settings(BaseSettings):
         for secret in ("admin_token", "backend_api_key", "priority_token"):
             if data.get(secret) is not None:
                 data[secret] = REDACTED
-        data["backend_url"] = redact_url(self.backend_url)
+        if self.backend_url is not None:
+            data["backend_url"] = redact_url(self.backend_url)
+        data["backends"] = [f"{spec.name}={redact_url(spec.url)}" for spec in self.backend_specs()]
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
 
 
@@ -335,28 +560,12 @@ RELOADABLE_SETTINGS = frozenset(
         "budget_max_fraction",
         "aimd_decrease_factor",
         "aimd_increase_per_s",
-        "aimd_quiet_s",
-        "aimd_decrease_cooldown_s",
         "budget_overcommit",
-        "budget_overcommit_room",
         "output_quantile",
         "output_backend_prior",
-        "queue_max_high",
-        "queue_max_normal",
-        "queue_max_low",
-        "queue_timeout_high_s",
-        "queue_timeout_normal_s",
-        "queue_timeout_low_s",
-        "hol_max_bypass",
+        "priority_classes",
         "hol_deadline_share",
-        "early_shed",
-        "objective_lookback_s",
-        "overload_wait_share",
         "arrival_slack",
-        "retry_after_s",
-        "retry_after_min_s",
-        "retry_after_max_s",
-        "service_time_margin",
         "first_byte_timeout_s",
         "between_chunk_timeout_s",
         "client_write_timeout_s",

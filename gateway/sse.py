@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,24 +68,21 @@ def usage_of(usage: Any) -> Usage | None:
     return Usage(prompt, completion)
 
 
-def _usage(payload: Mapping[str, Any]) -> Usage | None:
-    return usage_of(payload.get("usage"))
-
-
-def _choice_tokens(choice: Mapping[str, Any]) -> int:
+def _choice_tokens(choice: dict[str, Any]) -> int:
+    # JSON decodes objects to dicts and arrays to lists, nothing else: type() checks say the
+    # same as isinstance(Mapping) / isinstance(list) here, for less.
     logprobs = choice.get("logprobs")
-    if isinstance(logprobs, Mapping):
+    if type(logprobs) is dict:
         content = logprobs.get("content")  # chat
-        if isinstance(content, list):
+        if type(content) is list:
             return len(content)
         tokens = logprobs.get("tokens")  # completions
-        if isinstance(tokens, list):
+        if type(tokens) is list:
             return len(tokens)
     delta = choice.get("delta")
-    if isinstance(delta, Mapping):  # chat stream
-        for key in ("content", "reasoning_content", "reasoning"):
-            if delta.get(key):
-                return 1
+    if type(delta) is dict:  # chat stream
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+            return 1
         if delta.get("tool_calls"):
             return 1
     elif choice.get("text"):  # completions stream
@@ -93,14 +90,34 @@ def _choice_tokens(choice: Mapping[str, Any]) -> int:
     # The event that ends a choice carries its last token even when that token has no text: an
     # end-of-sequence token arrives as "" with finish_reason "stop" (vLLM counts it in usage).
     finish = choice.get("finish_reason")
-    return 1 if isinstance(finish, str) and finish else 0
+    return 1 if type(finish) is str and finish else 0
+
+
+# json.loads without its per-call layers (encoding detection, the whitespace regexes), for data
+# that starts with '{"': UTF-8 by json.loads's own detection, and stripped, so no whitespace
+# around it. The scanner is the one json.loads uses (JSONDecoder's defaults).
+_scan_object: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _loads(data: bytes | bytearray) -> Any:
+    """json.loads(data) for `data` already stripped: the same value or ValueError."""
+    if not data.startswith(b'{"'):
+        return json.loads(data)
+    text = data.decode("utf-8", "surrogatepass")  # UnicodeDecodeError is a ValueError
+    try:
+        value, end = _scan_object(text, 0)
+    except StopIteration as exc:
+        raise ValueError("not JSON") from exc
+    if end != len(text):
+        raise ValueError("extra data after the JSON value")
+    return value
 
 
 class StreamTally:
     """Incremental token counter over one SSE stream. Not thread-safe (one stream, one task)."""
 
     def __init__(self) -> None:
-        self._pending = bytearray()
+        self._pending = bytearray()  # the start of an event whose end has not arrived yet
         self._skipping = False
         self.tokens_by_choice: dict[int, int] = {}
         self.usage: Usage | None = None
@@ -114,22 +131,46 @@ class StreamTally:
     def feed(self, chunk: bytes) -> list[tuple[int, int]]:
         """Take the next bytes; returns (choice index, new tokens) for each complete event."""
         growth: list[tuple[int, int]] = []
-        self._pending += chunk
-        while True:
-            end, separator = _event_end(self._pending)
-            if end < 0:
-                if len(self._pending) > MAX_EVENT_BYTES:
-                    self._pending.clear()
-                    self._skipping = True  # drop the rest of this oversized event
+        pending = self._pending
+        if not pending and not self._skipping:
+            # The usual chunk, one engine step of one request: exactly one event, LF-separated.
+            end = chunk.find(b"\n\n")
+            if end >= 0 and end == len(chunk) - 2 and b"\r" not in chunk:
+                self._event(chunk[:end], growth)
                 return growth
-            event = bytes(self._pending[:end])
-            del self._pending[: end + separator]
+        # Usually a chunk holds whole events and is read in place; bytes left of an event
+        # whose end has not come yet wait in `pending`, where the next chunk joins them.
+        data: bytes | bytearray = chunk
+        if pending:
+            pending += chunk
+            data = pending
+        # Events end at the first blank line, "\n\n" or "\r\n\r\n"; most streams use no CR.
+        crlf_possible = b"\r" in data
+        start = 0
+        while True:
+            end = data.find(b"\n\n", start)
+            separator = 2
+            if crlf_possible:
+                crlf = data.find(b"\r\n\r\n", start)
+                if crlf >= 0 and (end < 0 or crlf < end):
+                    end, separator = crlf, 4
+            if end < 0:
+                break
             if self._skipping:
                 self._skipping = False
-                continue
-            self._event(event, growth)
+            else:
+                self._event(data[start:end], growth)
+            start = end + separator
+        if data is pending:
+            del pending[:start]
+        elif start < len(chunk):
+            pending += chunk[start:]
+        if len(pending) > MAX_EVENT_BYTES:
+            pending.clear()
+            self._skipping = True  # drop the rest of this oversized event
+        return growth
 
-    def _event(self, event: bytes, growth: list[tuple[int, int]]) -> None:
+    def _event(self, event: bytes | bytearray, growth: list[tuple[int, int]]) -> None:
         for line in event.splitlines():
             if not line.startswith(b"data:"):
                 continue
@@ -138,21 +179,21 @@ class StreamTally:
                 self.done = True
                 continue
             try:
-                payload = json.loads(data)
-            except ValueError:
+                payload = _loads(data)
+            except (ValueError, RecursionError):  # a hostile backend's deeply nested event too
                 continue
-            if not isinstance(payload, Mapping):
+            if type(payload) is not dict:
                 continue
             if "error" in payload:
                 self.error = True
-            usage = _usage(payload)
+            usage = payload.get("usage")
             if usage is not None:
-                self.usage = usage
+                self.usage = usage_of(usage)
             choices = payload.get("choices")
-            if not isinstance(choices, list):
+            if type(choices) is not list:
                 continue
             for choice in choices:
-                if not isinstance(choice, Mapping):
+                if type(choice) is not dict:
                     continue
                 tokens = _choice_tokens(choice)
                 if tokens:
@@ -160,15 +201,6 @@ class StreamTally:
                     index = min(max(index, 0), MAX_CHOICE_INDEX) if type(index) is int else 0
                     self.tokens_by_choice[index] = self.tokens_by_choice.get(index, 0) + tokens
                     growth.append((index, tokens))
-
-
-def _event_end(buffer: bytearray) -> tuple[int, int]:
-    """Position and length of the first blank-line separator, or (-1, 0)."""
-    lf = buffer.find(b"\n\n")
-    crlf = buffer.find(b"\r\n\r\n")
-    if crlf >= 0 and (lf < 0 or crlf < lf):
-        return crlf, 4
-    return (lf, 2) if lf >= 0 else (-1, 0)
 
 
 # `"usage":` as a key, in compact or spaced JSON. Inside a JSON string the quotes would be

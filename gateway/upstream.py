@@ -22,7 +22,8 @@ connecting, waiting for a free connection or sending the request body takes too 
 the head and for body bytes is bounded by the caller's deadlines (the relay's first-byte and
 between-chunk timeouts), given as event-loop times and answered with the built-in TimeoutError:
 the pool arms a timer only when it really has to wait, which asyncio.timeout would do for every
-call. Cancelling any await here is safe too and leaves the pool consistent.
+call, and the body reads of a connection share one timer (`_Connection._arm`). Cancelling any
+await here is safe too and leaves the pool consistent.
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 import httpx
 
-from gateway.errors import UpstreamError, UpstreamTimeoutError, failure_reason
+from gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError, failure_reason
 
 # vLLM's server (uvicorn) closes a connection after 5 s idle; dropping ours a little earlier
 # keeps the pool from picking a connection the server is closing at that very moment.
@@ -131,6 +132,11 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._writing_paused = False
         self._drain: asyncio.Future[None] | None = None
+        # The deadline of the body read waiting now, and one timer for all the reads of the
+        # connection (see `_arm`).
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -176,6 +182,7 @@ class _Connection(asyncio.Protocol):
                         f"the backend closed the connection {where}{reason}", response_started=started
                     )
                 )
+        self._disarm()
         self._wake_drain()
 
     def pause_writing(self) -> None:
@@ -291,11 +298,43 @@ class _Connection(asyncio.Protocol):
                 return b""
             if self.error is not None:
                 raise self.error
-            self._waiter = self._loop.create_future()
+            self._waiter = waiter = self._loop.create_future()
+            self._deadline = deadline
+            if deadline is not None:
+                self._arm(deadline)
             try:
-                await self._until(self._waiter, deadline)
+                await waiter
             finally:
                 self._waiter = None
+                self._deadline = None
+
+    def _arm(self, deadline: float) -> None:
+        """Have the timer fire by `deadline`. A stream waits once per chunk, each time with a
+        deadline a little later: arming a timer per wait (and cancelling it when the chunk
+        comes) cost more than reading the chunk. One timer serves them all: it stays armed for
+        the first deadline, and when it fires early for a later one, it is armed again."""
+        timer = self._timer
+        if timer is not None:
+            if self._timer_at <= deadline:
+                return
+            timer.cancel()
+        self._timer = self._loop.call_at(deadline, self._on_timer)
+        self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter, deadline = self._waiter, self._deadline
+        if waiter is None or deadline is None or waiter.done():
+            return  # no read waits (the next one arms the timer again)
+        if self._loop.time() >= deadline:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._arm(deadline)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def reusable(self) -> bool:
         transport = self._transport
@@ -319,6 +358,7 @@ class _Connection(asyncio.Protocol):
             else:
                 transport.close()
         self.closed = True
+        self._disarm()
 
     # internals
 
@@ -331,6 +371,7 @@ class _Connection(asyncio.Protocol):
         return not any(name in (b"content-length", b"transfer-encoding") for name, _ in self.headers)
 
     def _finish(self, *, keep_alive: bool) -> None:
+        self._disarm()
         self.complete = True
         self.keep_alive = keep_alive
         self._expecting = False
@@ -360,13 +401,22 @@ def _expire(future: asyncio.Future[None]) -> None:
         future.set_exception(TimeoutError())
 
 
+class _Receive(Protocol):
+    def __call__(self, deadline: float | None = None) -> Coroutine[Any, Any, bytes]: ...
+
+
 class _PooledResponse:
-    __slots__ = ("_connection", "_pool", "_released")
+    __slots__ = ("_connection", "_pool", "_released", "receive")
+
+    # The connection's own method (UpstreamResponse.receive): the relay calls it once per
+    # chunk, and a method here that only passed the call on cost a coroutine per chunk.
+    receive: _Receive
 
     def __init__(self, pool: HttpUpstream, connection: _Connection) -> None:
         self._pool = pool
         self._connection = connection
         self._released = False
+        self.receive = connection.receive
 
     @property
     def status(self) -> int:
@@ -375,9 +425,6 @@ class _PooledResponse:
     @property
     def headers(self) -> Sequence[tuple[bytes, bytes]]:
         return self._connection.headers
-
-    async def receive(self, deadline: float | None = None) -> bytes:
-        return await self._connection.receive(deadline)
 
     async def aclose(self) -> None:
         if not self._released:
@@ -521,7 +568,7 @@ class HttpUpstream:
             ) from exc
         except OSError as exc:  # refused, unreachable, name resolution, TLS handshake
             self._slot_freed()
-            raise UpstreamError(f"cannot connect to the backend: {failure_reason(exc)}") from exc
+            raise UpstreamConnectError(f"cannot connect to the backend: {failure_reason(exc)}") from exc
         except BaseException:
             self._slot_freed()
             raise
@@ -623,6 +670,8 @@ class HttpxUpstream:
                 response = await self._client.send(built, stream=True)
         except httpx.TimeoutException as exc:
             raise UpstreamTimeoutError(f"the backend did not answer in time: {failure_reason(exc)}") from exc
+        except httpx.ConnectError as exc:
+            raise UpstreamConnectError(f"cannot connect to the backend: {failure_reason(exc)}") from exc
         except httpx.HTTPError as exc:
             raise UpstreamError(f"cannot reach the backend: {failure_reason(exc)}") from exc
         return _HttpxResponse(response)

@@ -26,6 +26,9 @@ class VllmMetric(StrEnum):
     KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
     RUNNING = "vllm:num_requests_running"
     WAITING = "vllm:num_requests_waiting"
+    # The waiting requests by why they wait (vLLM 0.32 on): `capacity` (no room to schedule
+    # them) or `deferred` (LoRA budget, KV transfer, a blocked status: not a lack of blocks).
+    WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
     PREEMPTIONS = "vllm:num_preemptions_total"
     CACHE_CONFIG = "vllm:cache_config_info"
     # The sample count of the per-step token histogram: one per engine step, whatever the step
@@ -43,6 +46,7 @@ METRIC_NAMES: Mapping[VllmMetric, tuple[str, ...]] = {
     VllmMetric.KV_CACHE_USAGE: ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     VllmMetric.RUNNING: ("vllm:num_requests_running",),
     VllmMetric.WAITING: ("vllm:num_requests_waiting",),
+    VllmMetric.WAITING_BY_REASON: ("vllm:num_requests_waiting_by_reason",),
     VllmMetric.PREEMPTIONS: ("vllm:num_preemptions_total", "vllm:num_preemptions"),
     VllmMetric.CACHE_CONFIG: ("vllm:cache_config_info",),
     VllmMetric.ENGINE_STEPS: ("vllm:iteration_tokens_total_count",),
@@ -123,6 +127,14 @@ class BackendReading:
     # (upper bound, cumulative count) of the output-length histogram, summed over engines and
     # model names, by increasing bound, the last one +inf; empty when not exported.
     output_length_buckets: tuple[tuple[float, float], ...] = ()
+    # Of the waiting requests, those waiting for room (None: vLLM does not say why they wait).
+    waiting_for_capacity: int | None = None
+
+    @property
+    def saturated_waiting(self) -> int:
+        """Requests vLLM holds back for lack of room: those waiting for capacity where it
+        says why they wait, else every waiting one."""
+        return self.waiting if self.waiting_for_capacity is None else self.waiting_for_capacity
 
     @property
     def usage(self) -> float:
@@ -211,8 +223,9 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
     engines: dict[str, _Engine] = {}
     running = 0.0
     waiting = 0.0
+    waiting_for_capacity = 0.0
     preemptions: float | None = None
-    seen_running = seen_waiting = False
+    seen_running = seen_waiting = seen_by_reason = False
     preemption_rank = 1 << 30
     preemption_by_rank: dict[int, float] = {}
     steps: float | None = None
@@ -243,6 +256,11 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
         elif metric is VllmMetric.WAITING:
             waiting += _bounded(sample.value, sample.name, MAX_REQUESTS_PER_SERIES)
             seen_waiting = True
+        elif metric is VllmMetric.WAITING_BY_REASON:
+            value = _bounded(sample.value, sample.name, MAX_REQUESTS_PER_SERIES)
+            if sample.labels.get("reason") == "capacity":
+                waiting_for_capacity += value
+            seen_by_reason = True
         elif metric is VllmMetric.PREEMPTIONS:
             # A counter that falls between scrapes is a restarted vLLM: the AIMD limit takes
             # it as a new baseline (see AimdLimit.observe), so only the value is checked here.
@@ -299,6 +317,7 @@ def read_backend(samples: Iterable[MetricSample]) -> BackendReading:
         # Missing request gauges count as idle: they refine the budget, they do not size it.
         running=round(running) if seen_running else 0,
         waiting=round(waiting) if seen_waiting else 0,
+        waiting_for_capacity=round(waiting_for_capacity) if seen_by_reason else None,
         preemptions_total=preemptions,
         engines=len(configured),
         prefix_caching=prefix_flags.pop() if len(prefix_flags) == 1 else None,

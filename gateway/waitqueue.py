@@ -16,6 +16,14 @@ Futures resolve to a `Decision` (admit or shed), never to an exception, so a wai
 away before reading its answer leaves nothing unretrieved behind. A waiter that is cancelled
 (its client left) is removed at once (`leave`).
 
+With a `Booker` (several kvgate processes sharing one budget in Redis), a plan's admissions
+are proposals: they are booked on the shared ledger in one round trip per pump, each on the
+first of its candidate backends that the shared total still allows, and only then admitted
+(`on_admit`). Until the answer they count against the targets they were placed on, so later
+plans do not spend the same blocks; one that Redis refused returns to its place in the queue.
+While the booker is not `active` (no shared ledger, or Redis unreachable and the budget failing
+open), admissions are booked locally at once, as alone.
+
 `AdmissionQueue` is the interface the service uses; the contract: one event loop, `enter` and
 `leave` and `pump` never await, each entry resolves at most once.
 """
@@ -24,19 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gateway.admission import (
     ADMIT,
+    ONLY,
     AdmissionPolicy,
     Ask,
+    BlocksOn,
     Decision,
     DecisionKind,
     Priority,
     Reason,
+    Target,
     Waiter,
+    max_on,
+    reserve_on,
 )
 from gateway.capacity import BudgetSource
 from gateway.rates import WaitCalibration
@@ -45,7 +58,8 @@ from gateway.rates import WaitCalibration
 @dataclass(slots=True)
 class QueueEntry:
     waiter: Waiter
-    on_admit: Callable[[float], None]
+    # Books the admission on the target named (the ledger of that backend), synchronously.
+    on_admit: Callable[[float, str], None]
     future: asyncio.Future[Decision]
     entered_at: float
     resolved_at: float | None = None
@@ -63,12 +77,52 @@ class QueueEntry:
         return self.future.done()
 
 
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """One admission to book on the shared ledger: its candidates in order of preference, with
+    the blocks it reserves on each."""
+
+    key: int
+    candidates: tuple[tuple[str, int], ...]
+
+
+# What a booker answers for a batch: per booking, the target it was booked on or None
+# (refused); None for the whole batch when the store could not be asked.
+BookingAnswer = Sequence[str | None] | None
+
+
+class Booker(Protocol):
+    """Books admissions on a ledger shared with other processes (`gateway.redis_store`)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether admissions must be booked through it now (else: locally, at once)."""
+        ...
+
+    def book(self, bookings: Sequence[Booking], answer: Callable[[BookingAnswer], None]) -> None:
+        """Send `bookings`; `answer` is called once, later, on the event loop. Never raises."""
+        ...
+
+    def release(self, target: str, key: int) -> None:
+        """Give back a booking that will not be admitted (its client left meanwhile)."""
+        ...
+
+
+# After a refusal from the shared ledger, the queue plans again this much later, not at once:
+# the answer updated what the targets show, but a refusal must never turn into a busy loop.
+REFUSED_REPLAN_S = 0.005
+
+
 class AdmissionQueue(Protocol):
     def enter(
-        self, key: int, ask: Ask, on_admit: Callable[[float], None], *, strict: bool = False
+        self,
+        key: int,
+        ask: Ask,
+        on_admit: Callable[[float, str], None],
+        blocks_on: BlocksOn | None = None,
+        prefix_on: Mapping[str, int] | None = None,
     ) -> QueueEntry:
-        """Screen and queue a request; the entry may already be resolved on return. A `strict`
-        one is shed at once if it cannot meet its objective (see `gateway.admission`)."""
+        """Screen and queue a request; the entry may already be resolved on return."""
         ...
 
     def leave(self, entry: QueueEntry) -> bool:
@@ -97,19 +151,26 @@ class WaitQueue:
         self,
         *,
         policy: AdmissionPolicy,
-        budget: BudgetSource,
-        drain_rate: Callable[[float], float | None],
         clock: Callable[[], float],
+        targets: Callable[[float], Sequence[Target]] | None = None,
+        budget: BudgetSource | None = None,
+        drain_rate: Callable[[float], float | None] | None = None,
         on_resolved: Callable[[QueueEntry, Decision], None] | None = None,
-        strict_lookback_s: float = 0.0,
         calibration: WaitCalibration | None = None,
+        booker: Booker | None = None,
     ) -> None:
+        """Admit onto `targets` (a model's backends, as they stand at `now`), or onto the one
+        `budget` draining at `drain_rate`."""
         self._policy = policy
         # Learns from every admission and deadline how far waits stray from the in-order
         # prediction, and corrects the next arrivals' predictions (None: no correction).
         self.calibration = calibration
-        self._budget = budget
-        self._drain_rate = drain_rate
+        if targets is None:
+            if budget is None:
+                raise ValueError("a wait queue needs targets or a budget")
+            only, rate = budget, drain_rate or (lambda now: None)
+            targets = lambda now: (Target(ONLY, only.snapshot(now), rate(now)),)  # noqa: E731
+        self._targets = targets
         self._clock = clock
         self._on_resolved = on_resolved
         # Per priority, in arrival order; dicts keep insertion order and remove in O(1).
@@ -118,10 +179,18 @@ class WaitQueue:
         self._timer_at = math.inf
         self._pumping = False
         self._again = False
-        # Entries not yet seen by a plan (arrivals, and waiters made strict by one): their
-        # next plan is the one that weighs slack and objectives.
+        # Entries not yet seen by a plan (arrivals): their next plan is the one that weighs
+        # the arrival slack.
         self._fresh: set[int] = set()
-        self.strict_lookback_s = strict_lookback_s
+        self._booker = booker
+        # Admissions proposed to the booker and not answered yet: (entry, target), and the
+        # blocks and connections they take on each target meanwhile.
+        self._booking: dict[int, tuple[QueueEntry, str]] = {}
+        self._pending_blocks: dict[str, int] = {}
+        self._pending_connections: dict[str, int] = {}
+        # Entries whose client left while their booking was under way.
+        self._abandoned: set[int] = set()
+        self._replan: asyncio.TimerHandle | None = None
         self.stats = _Stats()
 
     # -- queries --------------------------------------------------------------------------
@@ -143,12 +212,17 @@ class WaitQueue:
     # -- changes --------------------------------------------------------------------------
 
     def enter(
-        self, key: int, ask: Ask, on_admit: Callable[[float], None], *, strict: bool = False
+        self,
+        key: int,
+        ask: Ask,
+        on_admit: Callable[[float, str], None],
+        blocks_on: BlocksOn | None = None,
+        prefix_on: Mapping[str, int] | None = None,
     ) -> QueueEntry:
         now = self._clock()
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        entry = QueueEntry(Waiter(key, ask), on_admit, future, now)
-        refusal = self._policy.screen(ask, self._budget.snapshot(now), now)
+        entry = QueueEntry(Waiter(key, ask, blocks_on=blocks_on, prefix_on=prefix_on), on_admit, future, now)
+        refusal = self._policy.screen_fleet(ask, self._targets(now), now, blocks_on)
         if refusal is not None:
             self._resolve(entry, refusal, now)
             return entry
@@ -156,16 +230,12 @@ class WaitQueue:
         queue[key] = entry
         entry.waiter = replace(entry.waiter, arriving=True)
         self._fresh.add(key)
-        if strict:
-            self._make_strict(entry, now)
         self.pump()
-        if not entry.done:
-            overflow = self._policy.overflow(
-                ask.priority,
-                len(queue) - 1,
-                self.queued_blocks(),
-                self._budget.snapshot(now),
-                self._drain_rate(now),
+        # Still queued (not admitted, nor proposed to the booker: that one fits, and a request
+        # that can be admitted at once is never refused for a full queue).
+        if not entry.done and key in queue:
+            overflow = self._policy.overflow_fleet(
+                ask.priority, len(queue) - 1, self.queued_blocks(), self._targets(now)
             )
             if overflow is not None:
                 del queue[key]
@@ -177,6 +247,8 @@ class WaitQueue:
     def leave(self, entry: QueueEntry) -> bool:
         if entry.done:
             return False
+        if entry.key in self._booking:
+            self._abandoned.add(entry.key)
         self._queues[entry.waiter.ask.priority].pop(entry.key, None)
         entry.future.cancel()
         entry.resolved_at = self._clock()
@@ -206,23 +278,27 @@ class WaitQueue:
             self._arm_timer(math.inf)
             return
         now = self._clock()
-        budget = self._budget.snapshot(now)
-        plan = self._policy.plan(
-            [entry.waiter for entry in self.waiting()],
-            budget,
-            self._drain_rate(now),
-            now,
-            self.calibration,
+        targets = self._with_pending(self._targets(now))
+        plan = self._policy.plan_fleet(
+            [entry.waiter for entry in self.waiting()], targets, now, self.calibration
         )
-        for key in plan.admit:
+        pool_blocks = sum(t.budget.pool_limit_blocks for t in targets)
+        booker = self._booker if self._booker is not None and self._booker.active else None
+        bookings: list[Booking] = []
+        for key, onto in zip(plan.admit, plan.onto, strict=True):
             entry = self._pop(key)
-            entry.on_admit(now)
-            self._learn(entry, budget.pool_limit_blocks, now)
+            if booker is not None:
+                bookings.append(self._propose(entry, onto, targets))
+                continue
+            entry.on_admit(now, onto)
+            self._learn(entry, pool_blocks, now)
             self._resolve(entry, ADMIT, now)
+        if booker is not None and bookings:
+            booker.book(bookings, lambda answer: self._booked(bookings, answer, pool_blocks))
         for key, decision in plan.shed:
             entry = self._pop(key)
             if decision.reason is Reason.DEADLINE_EXPIRED:
-                self._learn(entry, budget.pool_limit_blocks, now)
+                self._learn(entry, pool_blocks, now)
             self._resolve(entry, decision, now)
         for key, count in plan.bypassed:
             entry = self._find(key)
@@ -233,7 +309,7 @@ class WaitQueue:
             predicted.in_order_wait_s = prediction.in_order_s
         for key in self._fresh:
             if (seen := self._find_waiting(key)) is not None:
-                seen.waiter = replace(seen.waiter, arriving=False, strict=False)
+                seen.waiter = replace(seen.waiter, arriving=False)
         self._fresh.clear()
         self._arm_timer(min((e.waiter.ask.deadline_at for e in self.waiting()), default=math.inf))
 
@@ -242,28 +318,92 @@ class WaitQueue:
         entries = list(self.waiting())
         for entry in entries:
             self._resolve(self._pop(entry.key), decision, now)
+        # Bookings under way are answered with the same; a booking that lands is given back.
+        booking = [entry for entry, _ in self._booking.values() if not entry.done]
+        for entry in booking:
+            self._abandoned.add(entry.key)
+            self._resolve(entry, decision, now)
         self._fresh.clear()
         self._arm_timer(math.inf)
-        return len(entries)
+        return len(entries) + len(booking)
+
+    # -- booking on a shared ledger ---------------------------------------------------------
+
+    def _with_pending(self, targets: Sequence[Target]) -> Sequence[Target]:
+        """The targets less what the bookings under way take of them."""
+        if not self._booking:
+            return targets
+        adjusted: list[Target] = []
+        for target in targets:
+            blocks = self._pending_blocks.get(target.name, 0)
+            connections = self._pending_connections.get(target.name, 0)
+            if blocks or connections:
+                budget = replace(target.budget, committed_blocks=target.budget.committed_blocks + blocks)
+                free = None if target.free_connections is None else target.free_connections - connections
+                target = replace(target, budget=budget, free_connections=free)
+            adjusted.append(target)
+        return adjusted
+
+    def _propose(self, entry: QueueEntry, onto: str, targets: Sequence[Target]) -> Booking:
+        waiter = entry.waiter
+        chosen = reserve_on(waiter.ask, waiter.blocks_on, onto)
+        self._booking[entry.key] = (entry, onto)
+        self._pending_blocks[onto] = self._pending_blocks.get(onto, 0) + chosen
+        self._pending_connections[onto] = self._pending_connections.get(onto, 0) + 1
+        # Should the chosen one be full by the shared count, any other known target may take it.
+        others = [
+            (target.name, reserve_on(waiter.ask, waiter.blocks_on, target.name))
+            for target in sorted(targets, key=lambda t: -t.budget.free_blocks)
+            if target.name != onto
+            and target.budget.known
+            and max_on(waiter.ask, waiter.blocks_on, target.name) <= target.budget.pool_limit_blocks
+            and (target.free_connections is None or target.free_connections > 0)
+        ]
+        return Booking(entry.key, ((onto, chosen), *others))
+
+    def _booked(self, bookings: Sequence[Booking], answer: BookingAnswer, pool_blocks: int) -> None:
+        now = self._clock()
+        places: Sequence[str | None] = answer if answer is not None else [None] * len(bookings)
+        refused = False
+        for booking, place in zip(bookings, places, strict=True):
+            entry, onto = self._booking.pop(booking.key)
+            chosen = booking.candidates[0][1]
+            self._pending_blocks[onto] -= chosen
+            self._pending_connections[onto] -= 1
+            if booking.key in self._abandoned:
+                self._abandoned.discard(booking.key)
+                if place is not None and self._booker is not None:
+                    self._booker.release(place, booking.key)
+                continue
+            if place is not None:
+                entry.on_admit(now, place)
+                self._learn(entry, pool_blocks, now)
+                self._resolve(entry, ADMIT, now)
+                continue
+            refused = True
+            self._requeue(entry)
+        if refused:
+            # Not at once: see REFUSED_REPLAN_S.
+            if self._replan is None:
+                self._replan = asyncio.get_running_loop().call_later(REFUSED_REPLAN_S, self._on_replan)
+        elif len(self):
+            self.pump()
+
+    def _requeue(self, entry: QueueEntry) -> None:
+        """Put a refused booking back at its place: queues are in arrival (key) order."""
+        queue = self._queues[entry.waiter.ask.priority]
+        queue[entry.key] = entry
+        if next(reversed(queue)) != entry.key or len(queue) == 1:
+            return
+        ordered = sorted(queue.items())
+        queue.clear()
+        queue.update(ordered)
+
+    def _on_replan(self) -> None:
+        self._replan = None
+        self.pump()
 
     # -- internals ------------------------------------------------------------------------
-
-    def _make_strict(self, arrival: QueueEntry, now: float) -> None:
-        """Judge the arrival by its objective, and with it whoever joined in the last
-        `strict_lookback_s`: when the backend turns out to be beyond capacity, the requests
-        queued just before were let in on the belief that it was not, and would hold the
-        queue long for everyone after them. Shed now, their 429 still comes within the
-        lookback of their arrival."""
-        arrival.waiter = replace(arrival.waiter, strict=True)
-        if self.strict_lookback_s <= 0:
-            return
-        for queue in self._queues.values():
-            for entry in reversed(queue.values()):
-                if now - entry.entered_at > self.strict_lookback_s:
-                    break
-                if entry is not arrival:
-                    entry.waiter = replace(entry.waiter, strict=True)
-                    self._fresh.add(entry.key)
 
     def _find(self, key: int) -> QueueEntry:
         entry = self._find_waiting(key)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -172,6 +173,23 @@ def running_sim_process(
     config: SimConfig | None = None, *, cpu: int | None = None, log: Path | None = None
 ) -> Iterator[str]:
     """Run `python -m sim.cli` in a child process (pinned to `cpu` if given); yields its URL."""
+    with sim_process(config, cpu=cpu, log=log) as server:
+        yield server.url
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SimProcess:
+    """A started emulator process: its base URL and pid (for reading its CPU counters)."""
+
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def sim_process(
+    config: SimConfig | None = None, *, cpu: int | None = None, log: Path | None = None
+) -> Iterator[SimProcess]:
+    """`running_sim_process`, yielding the process's pid beside its URL."""
     config = config or SimConfig()
     sock = _free_socket()
     port = sock.getsockname()[1]
@@ -195,7 +213,8 @@ def running_sim_process(
             if time.monotonic() > deadline:
                 raise TimeoutError("the emulator process did not start in time")
             time.sleep(POLL_INTERVAL_S)
-        yield url
+        # taskset execs the emulator: the pid is the emulator's own.
+        yield SimProcess(url, process.pid)
 
 
 def _stop_process(process: subprocess.Popen[bytes]) -> None:

@@ -10,13 +10,25 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 sys.path.insert(0, str(Path(__file__).parent / "testbed"))
 import testbed
+from redis_server import RedisServer, running_redis
+
+# The machine is shared with vLLM engines and benchmarks: how fast examples are generated says
+# nothing about the code under test, so slow generation is no failure (and no example has a
+# deadline: performance is measured by benchmarks, not asserted).
+hypothesis_settings.register_profile(
+    "shared-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("shared-machine")
 
 VLLM_URL_ENV = "KVGATE_TEST_VLLM_URL"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +72,16 @@ def certificate(tmp_path: Path) -> tuple[Path, Path]:
         timeout=60,
     )
     return cert, key
+
+
+@pytest.fixture(scope="session")
+def redis_service() -> Iterator[RedisServer]:
+    """One real redis-server for the session; tests keep apart by key prefix (`redis_prefix`)."""
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix of this test's own in the session's Redis."""
+    return f"t{uuid.uuid4().hex[:12]}"

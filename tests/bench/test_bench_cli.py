@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -169,3 +170,31 @@ def test_unreachable_target_fails_cleanly(tmp_path: Path, capsys: pytest.Capture
     code = main(["bench", "--target", "http://127.0.0.1:9", "--synthetic", "n=2", "--out", str(tmp_path)])
     assert code == 2
     assert "pass --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("blocked", ["matplotlib", "rich"])
+def test_a_missing_bench_extra_is_named_before_anything_runs(
+    blocked: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # None in sys.modules makes `import` raise ImportError, as a missing package does.
+    monkeypatch.setitem(sys.modules, blocked, None)
+    out = tmp_path / "out"
+    code = main(["bench", "--target", "http://127.0.0.1:9", "--synthetic", "n=2", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    # Said before any target was asked (an unreachable one would say "pass --model").
+    assert f"needs {blocked} from the `bench` extra" in err
+    assert "pip install 'kvgate[bench]'" in err
+    assert "pass --model" not in err
+    assert not out.exists()
+
+
+def test_the_checked_modules_are_the_bench_extra_of_pyproject() -> None:
+    import tomllib
+
+    from bench.cli import BENCH_EXTRA_MODULES, BENCH_EXTRA_PEERS
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"]["bench"]
+    names = [re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0] for requirement in extra]
+    assert list(BENCH_EXTRA_MODULES) + list(BENCH_EXTRA_PEERS) == names

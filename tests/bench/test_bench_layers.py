@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-PURE = ("workload", "prompts", "payload", "promtext", "records", "report", "sse")
+PURE = ("workload", "prompts", "payload", "promtext", "records", "report", "sse", "peers", "loads")
 SHELL_ONLY = {
     "asyncio",
     "httpx",

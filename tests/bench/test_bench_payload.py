@@ -12,7 +12,17 @@ import pytest
 
 from bench.counting import honours_forced_length
 from bench.instant import DEFAULT_MODEL, InstantBackend, serving
-from bench.payload import OUTPUT_TOKENS_FIELD, Forcing, PayloadOptions, build_body, plan_requests
+from bench.payload import (
+    DEADLINE_HEADER,
+    EXPECTED_OUTPUT_HEADER,
+    OUTPUT_TOKENS_FIELD,
+    TTFT_HEADER,
+    Forcing,
+    PayloadOptions,
+    build_body,
+    build_headers,
+    plan_requests,
+)
 from bench.workload import RequestSpec
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
@@ -64,6 +74,32 @@ def test_planned_bodies_carry_each_requests_own_length(api: str) -> None:
     specs = [RequestSpec(0.0, 5, n) for n in (1, 7, 300)]
     plan = plan_requests(specs, ["a b c"] * 3, PayloadOptions(model="m", api=api))
     assert [json.loads(p.body)["vllm_xargs"][OUTPUT_TOKENS_FIELD] for p in plan] == [1, 7, 300]
+
+
+def test_the_oracle_sends_each_requests_true_length_and_nothing_else_changes() -> None:
+    specs = [RequestSpec(0.0, 5, n) for n in (0, 7, 300)]
+    learned = plan_requests(specs, ["a b c"] * 3, PayloadOptions(model="m"))
+    oracle = plan_requests(specs, ["a b c"] * 3, PayloadOptions(model="m", oracle=True))
+    assert [dict(p.headers).get(EXPECTED_OUTPUT_HEADER) for p in oracle] == ["1", "7", "300"]
+    # The forced length and the told one are the same number.
+    assert [json.loads(p.body)["vllm_xargs"][OUTPUT_TOKENS_FIELD] for p in oracle] == [1, 7, 300]
+    assert all(EXPECTED_OUTPUT_HEADER not in dict(p.headers) for p in learned)
+    assert [p.body for p in learned] == [p.body for p in oracle]
+
+
+@pytest.mark.parametrize(
+    ("deadline_s", "ttft_s", "sent"),
+    [
+        (10.0, None, {DEADLINE_HEADER: "10000"}),
+        (None, 2.0, {TTFT_HEADER: "2000"}),
+        (10.0, 2.0, {DEADLINE_HEADER: "10000", TTFT_HEADER: "2000"}),
+    ],
+)
+def test_each_kind_of_client_sends_only_its_own_headers(
+    deadline_s: float | None, ttft_s: float | None, sent: dict[str, str]
+) -> None:
+    headers = dict(build_headers(SPEC, PayloadOptions(model="m", deadline_s=deadline_s, ttft_slo_s=ttft_s)))
+    assert {k: v for k, v in headers.items() if k.startswith("X-Kvgate")} == sent
 
 
 # -- does a target read the field? (bench.counting.honours_forced_length) ----------------------

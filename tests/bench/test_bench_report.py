@@ -126,6 +126,8 @@ def test_goodput_counts_only_ok_requests_and_the_slo_form_needs_a_fast_first_tok
     assert s.goodput_slo_tokens_per_s == pytest.approx(4.0)
     assert s.client_output_tokens == 54  # the late request's tokens count here, not as useful
     assert s.time_to_rejection_s.p99 == pytest.approx(0.02 + 0.99 * 0.02)
+    assert s.refusals_within_1s_share == 1.0
+    assert (s.refusals_after_deadline, s.refusals_after_ttft_slo) == (0, 0)
     assert s.retry_after_s.p50 == 1.0
     assert s.e2e_s.p50 == pytest.approx(1.4)
     assert s.ttft_s.p50 == pytest.approx(0.75)  # 0.5, 0.5, 1.0, 2.5
@@ -135,6 +137,34 @@ def test_goodput_counts_only_ok_requests_and_the_slo_form_needs_a_fast_first_tok
     assert s.prompt_length_exact == 3
     assert s.backend_generation_tokens is None
     assert s.preemptions is None
+
+
+@pytest.mark.parametrize(
+    ("deadline", "within", "after_deadline", "after_ttft"),
+    [(5.0, 0.5, 1, 2), (None, 0.5, None, 2)],
+)
+def test_refusals_are_judged_by_how_early_they_came(
+    deadline: float | None, within: float, after_deadline: int | None, after_ttft: int
+) -> None:
+    records = [
+        rec(0, status=429, e2e_s=0.2),
+        rec(1, status=429, e2e_s=1.0),  # exactly 1 s still counts as early
+        rec(2, status=503, e2e_s=3.0),  # after the 2 s first-token objective
+        rec(3, status=429, e2e_s=6.0),  # after the 5 s deadline too
+        rec(4, **OK),
+    ]
+    s = summarize(_result(records), offered_s=10.0, deadline_s=deadline, ttft_slo_s=2.0)
+    assert s.refusals_within_1s_share == within
+    assert s.refusals_after_deadline == after_deadline
+    assert s.refusals_after_ttft_slo == after_ttft
+    # The p99 stays in the summary beside the share.
+    assert s.time_to_rejection_s.p99 == pytest.approx(3.0 + 0.97 * 3.0)
+
+
+def test_no_refusals_give_no_share() -> None:
+    s = summarize(_result([rec(0, **OK)]), offered_s=1.0, deadline_s=5.0)
+    assert s.refusals_within_1s_share is None
+    assert s.refusals_after_deadline == 0
 
 
 def test_burst_without_offered_time_uses_the_run_duration() -> None:
@@ -265,8 +295,8 @@ def test_metrics_reading_sums_labels_and_averages_kv_usage() -> None:
             "# TYPE kvgate_queue_depth gauge",
             'kvgate_queue_depth{priority="high"} 2',
             'kvgate_queue_depth{priority="low"} 3',
-            "# TYPE kvgate_plain_queue_wait_seconds gauge",
-            "kvgate_plain_queue_wait_seconds 4.5",
+            "# TYPE kvgate_budget_fraction gauge",
+            "kvgate_budget_fraction 1.25",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             'vllm:kv_cache_usage_perc{engine="0"} 0.5',
             'vllm:kv_cache_usage_perc{engine="1"} 0.25',
@@ -282,7 +312,7 @@ def test_metrics_reading_sums_labels_and_averages_kv_usage() -> None:
     )
     reading = parse_reading(text)
     assert reading == Reading(
-        queue_depth=5, plain_queue_wait_s=4.5, kv_usage=0.375, running=5, preemptions_total=7
+        queue_depth=5, budget_fraction=1.25, kv_usage=0.375, running=5, preemptions_total=7
     )
     assert not reading.is_vllm
     assert reading.busy == 5

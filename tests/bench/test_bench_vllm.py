@@ -80,3 +80,32 @@ def test_small_bench_counts_match_the_backend(vllm_target: str, tmp_path: Path) 
     assert target["client_output_tokens"] == target["backend_generation_tokens"]
     assert target["client_output_tokens"] == sum(r["output_tokens_wanted"] for r in records)
     assert target["backend_tokens_wasted"] == 0
+
+
+def test_a_ttft_client_waits_and_its_goodput_counts_only_timely_first_tokens(
+    vllm_target: str, tmp_path: Path
+) -> None:
+    """The first-token-deadline kind on real vLLM: no deadline, every answer read to its end;
+    first-token goodput is the output tokens of finished requests whose first token came within
+    the objective, per second of offered time (recomputed here from the records)."""
+    out = tmp_path / "ttft"
+    code = main(
+        [
+            "bench", "--target", vllm_target, "--trace", str(FIXTURES / "azure_code_head.csv"),
+            "-n", "6", "--ctx-scale", "0.02", "--gen-scale", "2", "--rate", "4",
+            "--clients", "ttft", "--ttft-slo", "0.5", "--sample-period", "0.2", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    target = summary["targets"][0]
+    assert summary["settings"]["headers_deadline_s"] is None
+    assert summary["settings"]["headers_ttft_s"] == 0.5
+    records = [json.loads(line) for line in (out / "requests-0.jsonl").read_text().splitlines()]
+    assert not any(r["gave_up"] for r in records)
+    assert target["ok"] == target["sent"] == 6
+    timely = [r for r in records if r["ttft_s"] is not None and r["ttft_s"] <= 0.5]
+    assert target["goodput_slo_requests"] == len(timely)
+    assert target["goodput_slo_tokens_per_s"] == pytest.approx(
+        sum(r["output_tokens"] for r in timely) / target["offered_s"]
+    )

@@ -1,11 +1,14 @@
 """Benchmark: normal traffic through kvgate while it is attacked (not a test; prints figures).
 
     KVGATE_TEST_VLLM_URL=http://127.0.0.1:8031 .venv/bin/python tests/benchmarks/attack.py \\
-        [--phase-s 40] [--rate 4] [--slow 300]
+        [--phase-s 40] [--rate 4] [--slow 300] [--gateway-cpus 0] [--attacker-cpus 0] [--probe-cpus all]
 
 Starts `kvgate serve` (a real process, the testbed model's tokenizer, every setting at its
 default) in front of the real testbed (KVGATE_TEST_VLLM_URL or --backend), or of `kvgate sim`
-when neither is given, pinned to core 0 with this script (the testbed's engine has core 1).
+when neither is given, pinned to `--gateway-cpus` (core 0 by default; the testbed's engine has
+core 1). This script's attackers run on `--attacker-cpus` (core 0 by default, kvgate's), the
+prober on `--probe-cpus` (any core by default): on another core than kvgate's, their work no
+longer competes with kvgate's for its CPU.
 Then two phases of `--phase-s` seconds each, on loopback only:
 
 1. quiet: normal traffic alone, small completions (a short prompt, 8 tokens) arriving at
@@ -17,13 +20,19 @@ Then two phases of `--phase-s` seconds each, on loopback only:
      body and in chat_template_kwargs), `--template-rate` per second,
    - bodies at `max_body_bytes` (a valid completion whose prompt fills it, and one a byte
      over it, streamed without a length), two clients back to back,
-   - clients that ask for a stream and never read it (a small receive buffer), four at a time.
+   - clients that ask for a stream and never read it (a small receive buffer), four at a time;
+   - with `--attacks ...,hugejson`: two more clients sending bodies at `max_body_bytes` of the
+     JSON values slowest to parse (a prompt of token ids, a prompt of empty lists).
 
 Throughout, from a process of its own (so that the attackers' work is not measured as
 kvgate's latency), /healthz is polled every 50 ms (its latency, max and p99; target < 100 ms), and
 kvgate's resident memory is sampled every 100 ms (peak over the quiet phase's peak; target a
 small multiple of max_body_bytes). Normal requests' p50/p99 in the attack phase are compared
-with the quiet phase's (target within 2x). Everything stops by itself: bounded connections,
+with the quiet phase's (target within 2x). kvgate's own event-loop lag
+(`kvgate_event_loop_lag_seconds`, and the stalls of `/admin/state`'s `event_loop` with their
+likeliest cause: the loop's own work, other threads, or the process not being scheduled) is read
+before and after each phase, and the worst /healthz answers are matched with the stalls kvgate
+saw at that time. Everything stops by itself: bounded connections,
 bounded time, kvgate stopped at the end. The gateway runs under an address-space cap
 (`--memory-cap-gib`), so that a template that allocates without bound fails inside kvgate
 instead of bringing the kernel's OOM killer to a shared machine.
@@ -61,7 +70,6 @@ READY_TIMEOUT_S = 120.0
 HEALTH_INTERVAL_S = 0.05
 RSS_INTERVAL_S = 0.1
 TRICKLE_INTERVAL_S = 1.0
-GATEWAY_CPU = 0
 NORMAL_BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
 TEMPLATES = (
     "{{ 'a' * 10**10 }}",
@@ -70,7 +78,9 @@ TEMPLATES = (
     "{{ messages * 1000000 }}",
 )
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # kvgate's default (gateway.settings)
-ATTACKS = ("slowloris", "templates", "huge", "nonreaders")
+ATTACKS = ("slowloris", "templates", "huge", "nonreaders", "hugejson")
+# The default set; `hugejson` (bodies of small JSON values, the slowest to parse) is asked for.
+DEFAULT_ATTACKS = ("slowloris", "templates", "huge", "nonreaders")
 
 
 def free_port() -> int:
@@ -111,9 +121,48 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def cpu_set(text: str) -> set[int]:
+    """'all', or a comma-separated list of CPU numbers and ranges ('0', '1', '0-1')."""
+    if text == "all":
+        return set(range(os.cpu_count() or 1))
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_lag_buckets(url: str) -> dict[float, float]:
+    """kvgate_event_loop_lag_seconds's cumulative buckets (upper bound -> count) and, under
+    -1, its count."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvgate_event_loop_lag_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(bound)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvgate_event_loop_lag_seconds_count "):
+            buckets[-1.0] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def loop_stalls(url: str) -> list[dict[str, object]]:
+    with urllib.request.urlopen(f"{url}/admin/state", timeout=10) as response:
+        stalls: list[dict[str, object]] = json.load(response)["event_loop"]["recent_stalls"]
+        return stalls
+
+
 @contextlib.contextmanager
 def started(
-    command: list[str], log: Path, memory_cap_bytes: int | None = None
+    command: list[str], log: Path, cpus: str, memory_cap_bytes: int | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     def limit() -> None:
         if memory_cap_bytes is not None:
@@ -122,7 +171,7 @@ def started(
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            ["taskset", "-c", str(GATEWAY_CPU), *command],
+            ["taskset", "-c", cpus, *command],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -150,11 +199,18 @@ class Phase:
     normal_ms: list[float] = field(default_factory=list)
     normal_status: Counter[int | str] = field(default_factory=Counter)
     health_ms: list[float] = field(default_factory=list)
+    health_at: list[float] = field(default_factory=list)  # monotonic time each answer came
     health_failures: int = 0
     rss_peak: int = 0
     rss_samples: list[int] = field(default_factory=list)
     fds_peak: int = 0
     attacks: Counter[str] = field(default_factory=Counter)
+    lag_before: dict[float, float] = field(default_factory=dict)
+    lag_after: dict[float, float] = field(default_factory=dict)
+    stalls: list[dict[str, object]] = field(default_factory=list)
+    started_at: float = 0.0
+    client_cpu_s: float = 0.0
+    gateway_cpu_s: float = 0.0
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -176,6 +232,7 @@ async def poll_health(url: str, phase: Phase, stop: asyncio.Event) -> None:
                 ok = False
             took_ms = (time.perf_counter() - started_at) * 1000
             phase.health_ms.append(took_ms)
+            phase.health_at.append(time.monotonic())
             phase.health_failures += not ok
             await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - took_ms / 1000))
 
@@ -308,6 +365,37 @@ async def huge_body_attacker(
                 await asyncio.sleep(0.5)
 
 
+async def huge_json_attacker(
+    url: str, max_body_bytes: int, index: int, phase: Phase, stop: asyncio.Event
+) -> None:
+    """Bodies at `max_body_bytes` made of the JSON values slowest to parse, back to back: a
+    prompt of token ids (valid ids, far more than the context holds) and a prompt of empty
+    lists (refused once parsed)."""
+    ids = json.dumps(
+        {"model": MODEL, "prompt": [1000] * ((max_body_bytes - 100) // 5), "max_tokens": 4},
+        separators=(",", ":"),
+    )
+    empty: list[list[int]] = [[] for _ in range((max_body_bytes - 100) // 3)]
+    lists = json.dumps({"model": MODEL, "prompt": empty, "max_tokens": 4}, separators=(",", ":"))
+    bodies = {"ids": ids.encode(), "lists": lists.encode()}
+    assert all(len(body) <= max_body_bytes for body in bodies.values())
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        n = index
+        while not stop.is_set():
+            n += 1
+            kind = "ids" if n % 2 else "lists"
+            try:
+                response = await client.post(
+                    f"{url}/v1/completions",
+                    content=bodies[kind],
+                    headers={"content-type": "application/json"},
+                )
+                phase.attacks[f"hugejson_{kind}_{response.status_code}"] += 1
+            except httpx.HTTPError as exc:
+                phase.attacks[f"hugejson_{type(exc).__name__}"] += 1
+                await asyncio.sleep(0.5)
+
+
 async def non_reader(port: int, phase: Phase, stop: asyncio.Event) -> None:
     """Ask for a stream, then never read it; a fresh one each time kvgate ends it."""
     body = json.dumps(
@@ -339,12 +427,12 @@ async def non_reader(port: int, phase: Phase, stop: asyncio.Event) -> None:
 # -- the run -----------------------------------------------------------------------------------
 
 
-def probe(url: str, rate: float, duration_s: float, conn: Connection) -> None:
+def probe(url: str, rate: float, duration_s: float, cpus: set[int], conn: Connection) -> None:
     """The measuring side, in a process of its own: /healthz every 50 ms and the normal traffic,
     for `duration_s`; sends back what it measured. Apart from the attackers' event loop, so
     that their work does not show up as kvgate's latency."""
     with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        os.sched_setaffinity(0, cpus)
 
     async def run() -> Phase:
         phase = Phase("probe")
@@ -364,7 +452,9 @@ def probe(url: str, rate: float, duration_s: float, conn: Connection) -> None:
         return phase
 
     phase = asyncio.run(run())
-    conn.send((phase.normal_ms, dict(phase.normal_status), phase.health_ms, phase.health_failures))
+    conn.send(
+        (phase.normal_ms, dict(phase.normal_status), phase.health_ms, phase.health_at, phase.health_failures)
+    )
     conn.close()
 
 
@@ -397,12 +487,16 @@ async def run_phase(
     phase = Phase(name)
     parent, child = multiprocessing.get_context("spawn").Pipe()
     prober = multiprocessing.get_context("spawn").Process(
-        target=probe, args=(url, args.rate, args.phase_s, child), daemon=True
+        target=probe, args=(url, args.rate, args.phase_s, cpu_set(args.probe_cpus), child), daemon=True
     )
     prober.start()
     loop = asyncio.get_running_loop()
     if await loop.run_in_executor(None, parent.recv) != "ready":
         raise RuntimeError("the probe did not start")
+    phase.lag_before = await loop.run_in_executor(None, loop_lag_buckets, url)
+    phase.started_at = time.monotonic()
+    client_cpu = resource.getrusage(resource.RUSAGE_SELF)
+    gateway_cpu = cpu_seconds(pid)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(sample_rss(pid, phase, stop))]
     if attack:
@@ -419,10 +513,24 @@ async def run_phase(
                 asyncio.create_task(huge_body_attacker(url, args.max_body_bytes, n, phase, stop))
                 for n in range(2)
             ]
+        if "hugejson" in kinds:
+            tasks += [
+                asyncio.create_task(huge_json_attacker(url, args.max_body_bytes, n, phase, stop))
+                for n in range(2)
+            ]
         if "nonreaders" in kinds:
             tasks += [asyncio.create_task(non_reader(port, phase, stop)) for _ in range(4)]
-    normal_ms, statuses, health_ms, health_failures = await loop.run_in_executor(None, parent.recv)
+    normal_ms, statuses, health_ms, health_at, health_failures = await loop.run_in_executor(None, parent.recv)
     stop.set()
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    phase.client_cpu_s = used.ru_utime + used.ru_stime - client_cpu.ru_utime - client_cpu.ru_stime
+    phase.gateway_cpu_s = cpu_seconds(pid) - gateway_cpu
+    phase.lag_after = await loop.run_in_executor(None, loop_lag_buckets, url)
+    phase.stalls = [
+        stall
+        for stall in await loop.run_in_executor(None, loop_stalls, url)
+        if float(str(stall["at_s"])) >= phase.started_at
+    ]
     # Attackers blocked on kvgate get a bounded while to notice, then are cancelled.
     _, pending = await asyncio.wait(tasks, timeout=30)
     for task in pending:
@@ -430,6 +538,7 @@ async def run_phase(
     await asyncio.gather(*tasks, return_exceptions=True)
     prober.join(10)
     phase.normal_ms, phase.health_ms, phase.health_failures = normal_ms, health_ms, health_failures
+    phase.health_at = health_at
     phase.normal_status.update(statuses)
     return phase
 
@@ -463,6 +572,44 @@ def report(quiet: Phase, attack: Phase, args: argparse.Namespace, alive: bool) -
         f"{growth / args.max_body_bytes:.2f} x max_body_bytes ({args.max_body_bytes / 2**20:.0f} MiB)"
     )
     print(f"kvgate alive at the end: {alive}")
+    for phase in (quiet, attack):
+        report_loop(phase, args)
+
+
+def report_loop(phase: Phase, args: argparse.Namespace) -> None:
+    """kvgate's event-loop lag over the phase, and what kvgate saw when /healthz was slowest."""
+    before, after = phase.lag_before, phase.lag_after
+    ticks = after.get(-1.0, 0.0) - before.get(-1.0, 0.0)
+
+    def over(bound: float) -> int:
+        return int(ticks - (after.get(bound, 0.0) - before.get(bound, 0.0)))
+
+    print()
+    print(
+        f"{phase.name}: kvgate's loop over {ticks:.0f} ticks: {over(0.025)} late > 25 ms, {over(0.05)} > 50 ms, "
+        f"{over(0.1)} > 100 ms; CPU over the phase: kvgate {phase.gateway_cpu_s:.1f} s, "
+        f"this script (attackers) {phase.client_cpu_s:.1f} s of {args.phase_s:.0f} s"
+    )
+    causes = Counter(str(stall["cause"]) for stall in phase.stalls)
+    worst = max((float(str(stall["lag_s"])) for stall in phase.stalls), default=0.0)
+    print(f"  stalls >= 50 ms kept (latest 20): {dict(causes)}, worst {worst * 1000:.0f} ms")
+    slowest = sorted(zip(phase.health_ms, phase.health_at, strict=True), reverse=True)[:5]
+    for took_ms, at in slowest:
+        # A stall that ended while this poll was out is the loop's share of its latency.
+        seen = [
+            stall
+            for stall in phase.stalls
+            if at - took_ms / 1000 - 0.01 <= float(str(stall["at_s"])) <= at + 0.01
+        ]
+        loop_ms = sum(float(str(stall["lag_s"])) for stall in seen) * 1000
+        why = ", ".join(
+            f"{float(str(s['lag_s'])) * 1000:.0f} ms {s['cause']} (loop CPU {float(str(s['loop_cpu_s'])) * 1000:.0f}"
+            f" ms, run queue {float(str(s['runqueue_s'] or 'nan')) * 1000:.0f} ms,"
+            f" gc {float(str(s.get('gc_s', 'nan'))) * 1000:.0f} ms)"
+            for s in seen
+        )
+        print(f"  /healthz {took_ms:6.1f} ms at +{at - phase.started_at:5.1f} s: kvgate stalls then: {why or 'none'}"
+              f" ({loop_ms:.0f} ms)")  # fmt: skip
 
 
 async def main_async(args: argparse.Namespace, url: str, port: int, pid: int) -> tuple[Phase, Phase]:
@@ -491,11 +638,15 @@ def main() -> int:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument(
         "--attacks",
-        default=",".join(ATTACKS),
-        help=f"comma-separated attacks to run together (default all: {','.join(ATTACKS)})",
+        default=",".join(DEFAULT_ATTACKS),
+        help=f"comma-separated attacks to run together, of {','.join(ATTACKS)} "
+        f"(default {','.join(DEFAULT_ATTACKS)})",
     )
     parser.add_argument("--memory-cap-gib", type=float, default=6.0, help="kvgate's address-space cap")
     parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--gateway-cpus", default="0", help="CPUs for kvgate (taskset list; default 0)")
+    parser.add_argument("--attacker-cpus", default="0", help="CPUs for this script's attackers (default 0)")
+    parser.add_argument("--probe-cpus", default="all", help="CPUs for the prober process (default all)")
     args = parser.parse_args()
     if not set(args.attacks.split(",")) <= set(ATTACKS):
         parser.error(f"--attacks takes a comma-separated subset of {','.join(ATTACKS)}")
@@ -509,7 +660,7 @@ def main() -> int:
             "--slow within 1..2000, --rate within (0, 50], --phase-s within 1..600, --template-rate within (0, 200]"
         )
     with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, {GATEWAY_CPU})
+        os.sched_setaffinity(0, cpu_set(args.attacker_cpus))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-attack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -518,7 +669,9 @@ def main() -> int:
             sim_port = free_port()
             sim = stack.enter_context(
                 started(
-                    [sys.executable, "-m", "gateway.cli", "sim", "--port", str(sim_port)], log_dir / "sim.log"
+                    [sys.executable, "-m", "gateway.cli", "sim", "--port", str(sim_port)],
+                    log_dir / "sim.log",
+                    args.gateway_cpus,
                 )
             )
             backend = f"http://127.0.0.1:{sim_port}"
@@ -531,7 +684,12 @@ def main() -> int:
                 "--log-level", "warning", "--set", f"max_body_bytes={args.max_body_bytes}",
             ]  # fmt: skip
             gateway = stack.enter_context(
-                started(command, log_dir / f"kvgate-{attempt}.log", int(args.memory_cap_gib * 2**30))
+                started(
+                    command,
+                    log_dir / f"kvgate-{attempt}.log",
+                    args.gateway_cpus,
+                    int(args.memory_cap_gib * 2**30),
+                )
             )
             url = f"http://127.0.0.1:{port}"
             try:

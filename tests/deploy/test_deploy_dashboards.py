@@ -165,6 +165,7 @@ def test_every_kvgate_and_vllm_panel_follows_the_backend_variable() -> None:
 
 
 def test_the_backend_variable_lists_kvgate_backends() -> None:
+    kinds = kvgate_catalog()
     for path, dashboard in dashboards().items():
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
         backend = variables.get("backend")
@@ -173,8 +174,64 @@ def test_the_backend_variable_lists_kvgate_backends() -> None:
         assert backend["multi"]
         # Panels match with =~, so "All" must be a regex that matches every backend.
         assert backend["allValue"] == ".*"
-        assert re.fullmatch(r"label_values\(kvgate_\w+,\s*backend\)", backend["definition"])
+        match = re.fullmatch(r"label_values\((kvgate_\w+),\s*backend\)", backend["definition"])
+        assert match, backend["definition"]
+        assert backend["query"]["query"] == backend["definition"]
+        # A level kvgate reports for every backend it has, at every scrape: a backend shows up
+        # in the list from its first scrape, whatever it has served.
+        assert kinds.get(match.group(1)) == GAUGE, f"{match.group(1)} is not a per-backend gauge"
+        # Re-read on every time-range change, so backends that joined since (a DNS name that
+        # resolves to one more replica) appear without reloading the dashboard.
+        assert backend["refresh"] == 2
+        assert backend["current"]["value"] == ["$__all"], "the dashboard opens on every backend"
         assert set(variables) | set(GRAFANA_BUILTINS) >= _variables_used(dashboard)
+
+
+def _kept_labels(expr: str) -> set[str] | None:
+    """The labels an expression's series keep when every aggregation in it is `by (...)`:
+    those of all its `by` clauses (histogram_quantile drops `le`); None for an expression
+    without aggregation, which keeps every label of its selectors."""
+    clauses = [
+        {label.strip() for label in labels.split(",")} for labels in re.findall(r"\bby \(([^)]*)\)", expr)
+    ]
+    if not clauses:
+        assert not re.search(r"\b(sum|max|min|avg|count)\s*\(", expr), f"aggregation without by: {expr}"
+        return None
+    kept = set.intersection(*clauses)
+    return kept - {"le"} if "histogram_quantile" in expr else kept
+
+
+def test_legends_name_the_backend_of_every_per_backend_series() -> None:
+    """A query that keeps `backend` shows one series per backend and its legend says which
+    ({{backend}}); a legend names only labels its query keeps (else Grafana prints the
+    placeholder's name, and every series reads the same)."""
+    per_backend = 0
+    for path, dashboard in dashboards().items():
+        for panel in all_panels(dashboard):
+            for target in panel.get("targets", []):
+                where = f"{path.name} panel {panel['id']} {panel['title']!r} target {target['refId']}"
+                legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+                kept = _kept_labels(target["expr"])
+                if kept is None:
+                    continue
+                assert legend <= kept, f"{where}: the legend names {sorted(legend - kept)}, aggregated away"
+                if "backend" in kept:
+                    per_backend += 1
+                    assert "backend" in legend, (
+                        f"{where}: one series per backend, but its legend lacks {{{{backend}}}}"
+                    )
+    assert per_backend, "no panel shows a series per backend"
+
+
+def test_the_fleet_row_shows_how_the_backends_share_the_load() -> None:
+    (dashboard,) = dashboards().values()
+    rows = [panel for panel in dashboard["panels"] if panel["type"] == "row"]
+    (fleet,) = [row for row in rows if row["title"].startswith("Fleet")]
+    below = [p for p in dashboard["panels"] if p["gridPos"]["y"] == fleet["gridPos"]["y"] + 1]
+    expressions = [target["expr"] for panel in below for target in panel["targets"]]
+    assert any(e.startswith("sum by (backend) (rate(kvgate_admitted_total") for e in expressions)
+    assert any("vllm:generation_tokens_total" in e and "group_left" in e for e in expressions)
+    assert any("kvgate_kv_blocks_admissible" in e and "kvgate_kv_blocks_committed" in e for e in expressions)
 
 
 def _variables_used(dashboard: dict[str, Any]) -> set[str]:

@@ -5,12 +5,15 @@ kustomize these files use (resources, components, ConfigMap/Secret generators fr
 with a content hash in the name, images) and refuses anything else, so a new feature in a
 kustomization cannot be silently skipped. The checks then hold the manifests to the Dockerfile
 (user, port, entry point), to kvgate's Settings (every KVGATE_* key is a real setting and the
-whole ConfigMap loads) and to the app's real routes (probe and metrics paths).
+whole ConfigMap loads) and to the app's real routes (probe and metrics paths), kvgate's
+backends to the headless Service that publishes the vLLM replicas, and its Redis URL to the
+Redis the replicas share their budget through.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -19,6 +22,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -38,6 +42,7 @@ KUSTOMIZATION_KEYS = {
     "images",
 }
 GENERATED_KINDS = {"configMapGenerator": "ConfigMap", "secretGenerator": "Secret"}
+NAME_LABEL = "app.kubernetes.io/name"
 
 
 # -- a small kustomize ---------------------------------------------------------------------
@@ -145,16 +150,39 @@ def base(k8s_copy: Path) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
+def base_vllm(k8s_copy: Path) -> dict[str, dict[str, Any]]:
+    return _by_kind(render(k8s_copy / "base"), app="vllm")
+
+
+@pytest.fixture(scope="module")
+def base_redis(k8s_copy: Path) -> dict[str, dict[str, Any]]:
+    return _by_kind(render(k8s_copy / "base"), app="redis")
+
+
+@pytest.fixture(scope="module")
 def monitored(k8s_copy: Path) -> dict[str, dict[str, Any]]:
     return _by_kind(render(k8s_copy / "overlays" / "monitored"))
 
 
-def _by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+@pytest.fixture(scope="module")
+def monitored_vllm(k8s_copy: Path) -> dict[str, dict[str, Any]]:
+    return _by_kind(render(k8s_copy / "overlays" / "monitored"), app="vllm")
+
+
+def _by_kind(objects: list[dict[str, Any]], app: str = "kvgate") -> dict[str, dict[str, Any]]:
+    """The objects of `app` (by their app.kubernetes.io/name label; the generated ConfigMap and
+    Secret are kvgate's) by kind, one of each."""
     found: dict[str, dict[str, Any]] = {}
     for obj in objects:
         for required in (obj.get("apiVersion"), obj.get("kind"), obj.get("metadata", {}).get("name")):
             assert required, f"an object without apiVersion, kind or name: {obj}"
-        assert obj["kind"] not in found, f"two {obj['kind']} objects"
+        owner = (obj["metadata"].get("labels") or {}).get(NAME_LABEL, "kvgate")
+        assert owner in {"kvgate", "vllm", "redis"}, (
+            f"{obj['kind']} {obj['metadata']['name']} belongs to {owner}"
+        )
+        if owner != app:
+            continue
+        assert obj["kind"] not in found, f"two {obj['kind']} objects of {app}"
         found[obj["kind"]] = obj
     return found
 
@@ -178,8 +206,44 @@ def _settings_of(objects: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyP
 # -- checks ----------------------------------------------------------------------------------
 
 
-def test_the_base_renders_the_gateway_objects(base: dict[str, dict[str, Any]]) -> None:
+def test_the_base_renders_the_gateway_objects(
+    base: dict[str, dict[str, Any]],
+    base_vllm: dict[str, dict[str, Any]],
+    base_redis: dict[str, dict[str, Any]],
+) -> None:
     assert set(base) == {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "Secret"}
+    # vLLM itself is deployed on its own: the base only publishes its pods to kvgate.
+    assert set(base_vllm) == {"Service"}
+    # The replicas' shared ledger comes with the base.
+    assert set(base_redis) == {"Deployment", "Service"}
+
+
+def test_vllm_s_pods_are_published_by_a_headless_service(base_vllm: dict[str, dict[str, Any]]) -> None:
+    service = base_vllm["Service"]
+    spec = service["spec"]
+    # Headless: the name resolves to every pod's address, not to one virtual IP that
+    # balances connections at random behind kvgate's back.
+    assert spec["clusterIP"] == "None"
+    assert spec.get("type", "ClusterIP") == "ClusterIP"
+    # Only ready pods: one still loading its model is not a backend yet.
+    assert spec.get("publishNotReadyAddresses", False) is False
+    assert spec["selector"] == {NAME_LABEL: "vllm"}
+    (port,) = spec["ports"]
+    assert (port["name"], port["port"], port["protocol"]) == ("http", 8000, "TCP")
+
+
+def test_kvgate_s_backends_are_the_addresses_of_the_headless_service(
+    base: dict[str, dict[str, Any]], base_vllm: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backends = json.loads(base["ConfigMap"]["data"]["KVGATE_BACKENDS"])
+    service = base_vllm["Service"]
+    (port,) = service["spec"]["ports"]
+    assert backends == [f"dns+http://{service['metadata']['name']}:{port['port']}"]
+    # One way to name the backends: no single-backend settings beside the list.
+    assert not {"KVGATE_BACKEND_URL", "KVGATE_BACKEND_NAME"} & set(base["ConfigMap"]["data"])
+    (spec,) = _settings_of(base, monkeypatch).backend_specs()
+    assert spec.resolve
+    assert spec.url == f"http://{service['metadata']['name']}:{port['port']}"
 
 
 def test_the_monitored_overlay_adds_a_service_monitor(monitored: dict[str, dict[str, Any]]) -> None:
@@ -202,13 +266,68 @@ def test_the_monitored_overlay_adds_a_service_monitor(monitored: dict[str, dict[
     assert service["metadata"]["name"] == "kvgate"
 
 
-def test_one_replica_and_never_two_at_once(base: dict[str, dict[str, Any]]) -> None:
+def test_the_monitored_overlay_scrapes_each_vllm_replica_as_kvgate_names_it(
+    monitored_vllm: dict[str, dict[str, Any]],
+) -> None:
+    assert set(monitored_vllm) == {"Service", "ServiceMonitor"}
+    monitor, service = monitored_vllm["ServiceMonitor"], monitored_vllm["Service"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    # The dashboards and rules select job="vllm": the job comes from the Service's name label.
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "vllm"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+    # Each pod's series carry its address as `backend`, kvgate's name for that backend.
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__address__"], "targetLabel": "backend"}]
+
+
+def test_two_replicas_evicted_one_at_a_time(base: dict[str, dict[str, Any]]) -> None:
     spec = base["Deployment"]["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"]["type"] == "Recreate"
+    assert spec["replicas"] == 2
+    # They share the budget, so a rollout may run old and new side by side, never fewer.
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     budget = base["PodDisruptionBudget"]["spec"]
-    # A PDB that forbids every eviction of the one replica would block node drains forever.
-    assert budget.get("maxUnavailable", 0) >= 1 or budget.get("minAvailable", 1) == 0
+    assert budget["minAvailable"] == 1
+    assert "maxUnavailable" not in budget, "a PDB takes one of minAvailable and maxUnavailable"
+    # One replica always serves, and a drain can still evict the other: below the replicas.
+    assert budget["minAvailable"] < spec["replicas"]
+    (spread,) = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway", "two replicas must schedule on one node too"
+    assert spread["labelSelector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+
+
+def test_the_replicas_share_the_budget_through_the_redis_of_the_base(
+    base: dict[str, dict[str, Any]], base_redis: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = _settings_of(base, monkeypatch)
+    assert settings.redis_url is not None
+    url = urlsplit(settings.redis_url.get_secret_value())
+    service = base_redis["Service"]
+    (port,) = service["spec"]["ports"]
+    assert (url.scheme, url.hostname, url.port) == ("redis", service["metadata"]["name"], port["port"])
+    assert "KVGATE_REDIS_URL" not in base["Secret"]["data"]
+    assert settings.workers == 1, "one process per pod: the replicas are the pods"
+    deployment = base_redis["Deployment"]["spec"]
+    # One Redis, never two at once (each would be a ledger of its own).
+    assert (deployment["replicas"], deployment["strategy"]["type"]) == (1, "Recreate")
+    pod_labels = deployment["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["selector"]["matchLabels"].items() <= pod_labels.items()
+    # Not selected by kvgate's Service, Deployment or PodDisruptionBudget.
+    assert not base["Service"]["spec"]["selector"].items() <= pod_labels.items()
+    (container,) = deployment["template"]["spec"]["containers"]
+    assert container["image"] == "redis:7-alpine"
+    (container_port,) = container["ports"]
+    assert port["targetPort"] in (container_port["name"], container_port["containerPort"])
+    assert container_port["containerPort"] == 6379
+    assert container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    assert deployment["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["limits"]["memory"]
 
 
 def test_selectors_match_the_pods(base: dict[str, dict[str, Any]]) -> None:
@@ -290,7 +409,7 @@ def test_generated_names_change_with_the_settings(k8s_copy: Path, tmp_path: Path
     changed = tmp_path / "k8s"
     shutil.copytree(k8s_copy, changed)
     with open(changed / "base" / "settings.env", "a") as settings:
-        settings.write("KVGATE_QUEUE_TIMEOUT_LOW_S=5\n")
+        settings.write("KVGATE_OUTPUT_QUANTILE=0.8\n")
     before = _by_kind(render(k8s_copy / "base"))["ConfigMap"]["metadata"]["name"]
     after = _by_kind(render(changed / "base"))
     assert after["ConfigMap"]["metadata"]["name"] != before

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -59,6 +60,7 @@ STARTUP_TIMEOUT_S = 20.0
 DATA_TIMEOUT_S = 45.0
 POLL_INTERVAL_S = 0.5
 
+LIVE_BACKEND = "sim"
 DOWN_BACKEND = "down"
 CLIENTS = 14
 RAMP_STEP_S = 0.4
@@ -139,11 +141,13 @@ def _kvgate_serve(settings: dict[str, str], log_path: Path, *, ready: bool) -> I
             process.wait()
 
 
-def _prometheus_config(tmp: Path, kvgate: list[str], vllm: dict[str, str]) -> Path:
+def _prometheus_config(tmp: Path, kvgate: list[str], vllm: dict[str, str | None]) -> Path:
     """deploy/prometheus/prometheus.yml with the test's targets and 1 s intervals.
 
-    `vllm` maps backend name -> host:port; each becomes a target group labelled as the real
-    configuration labels its vLLM target."""
+    `vllm` maps host:port -> the backend name kvgate gives it. Targets without a name are one
+    group as in the real configuration (its relabel rule labels each with its address, kvgate's
+    default name); a named one gets a group of its own labelled with its name, as the
+    configuration says to do for a backend named in KVGATE_BACKENDS."""
     config = load_yaml(PROMETHEUS_CONFIG)
     config["global"].update(
         scrape_interval=SCRAPE_INTERVAL, scrape_timeout=SCRAPE_INTERVAL, evaluation_interval=SCRAPE_INTERVAL
@@ -153,10 +157,15 @@ def _prometheus_config(tmp: Path, kvgate: list[str], vllm: dict[str, str]) -> Pa
     assert set(jobs) == {"kvgate", "vllm"}, f"unexpected scrape jobs {sorted(jobs)}"
     jobs["kvgate"]["static_configs"] = [{"targets": kvgate}]
     (template,) = jobs["vllm"]["static_configs"]
-    jobs["vllm"]["static_configs"] = [
-        {"targets": [target], "labels": {**template.get("labels", {}), "backend": backend}}
-        for backend, target in vllm.items()
+    labels = template.get("labels", {})
+    unnamed = [target for target, name in vllm.items() if name is None]
+    groups = [{"targets": unnamed, "labels": labels}] if unnamed else []
+    groups += [
+        {"targets": [target], "labels": {**labels, "backend": name}}
+        for target, name in vllm.items()
+        if name is not None
     ]
+    jobs["vllm"]["static_configs"] = groups
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -315,25 +324,52 @@ def _has_data(data: dict[str, Any], *, finite: bool) -> bool:
     return any(math.isfinite(float(v)) for v in values)
 
 
-def _checks() -> dict[str, tuple[str, bool]]:
-    """Every expression to run -> (where it comes from, whether it needs a finite value)."""
+def _checks(queries: list[Query], *, finite: bool = True) -> dict[str, tuple[str, bool]]:
+    """Every expression to run -> (where it comes from, whether it needs a finite value):
+    each query (finite as asked) and every selector inside it (any value)."""
     checks: dict[str, tuple[str, bool]] = {}
-    queries: list[Query] = dashboard_queries() + variable_queries() + rule_queries()
     for query in queries:
-        checks.setdefault(query.expr, (query.origin, True))
+        checks.setdefault(query.expr, (query.origin, finite))
         for selector in selectors(query.expr):
             checks.setdefault(selector.text, (f"selector in {query.origin}", False))
     return checks
 
 
-# -- the test -------------------------------------------------------------------------------
+def _per_backend(queries: list[Query]) -> dict[str, str]:
+    """The queries that show one series per backend from kvgate's own series alone -> where
+    they come from. Every backend kvgate has must appear in each (kvgate exports its series
+    from the start); vLLM's series exist only for a vLLM that Prometheus reaches."""
+    return {
+        query.expr: query.origin
+        for query in queries
+        if re.search(r"\bby \(backend\b", query.expr)
+        and all(selector.metric.startswith("kvgate_") for selector in selectors(query.expr))
+    }
+
+
+def _backends_in(result: list[dict[str, Any]]) -> set[str]:
+    return {series["metric"]["backend"] for series in result if "backend" in series["metric"]}
+
+
+def _vllm_target_backends(client: httpx.Client, prometheus: str) -> dict[str, str]:
+    """host:port -> the `backend` label Prometheus gave each vllm target."""
+    targets = _api(client, prometheus, "targets")["activeTargets"]
+    return {
+        target["discoveredLabels"]["__address__"]: target["labels"].get("backend", "")
+        for target in targets
+        if target["labels"].get("job") == "vllm"
+    }
+
+
+# -- the tests ------------------------------------------------------------------------------
 
 
 def test_every_panel_and_rule_returns_data_from_a_live_kvgate(tmp_path: Path) -> None:
     require_tool("prometheus")
-    backend = load_yaml(PROMETHEUS_CONFIG)["scrape_configs"][1]["static_configs"][0]["labels"]["backend"]
     sim_config = SimConfig(output_len=OutputLengthModel.parse(f"uniform:1:{GATEWAY_MAX_TOKENS}"))
-    checks = _checks()
+    checks = _checks(dashboard_queries() + variable_queries() + rule_queries())
+    per_backend = _per_backend(dashboard_queries() + variable_queries())
+    assert per_backend, "no panel shows kvgate's series per backend"
     alerts = {rule["alert"] for rule in alert_rules()}
 
     with contextlib.ExitStack() as stack:
@@ -341,34 +377,42 @@ def test_every_panel_and_rule_returns_data_from_a_live_kvgate(tmp_path: Path) ->
         dead_port = stack.enter_context(_closed_port())
         live = {
             "backend_url": sim_url,
-            "backend_name": backend,
+            "backend_name": LIVE_BACKEND,
             # Learn output lengths after a few requests, so reservations are exceeded at times.
             "output_min_samples": "5",
             # A tiny low-priority queue: bursts of low-priority requests are shed at once.
-            "queue_max_low": "2",
+            "priority_classes": '{"low": {"queue_max": 2}}',
         }
         dead = {"backend_url": f"http://127.0.0.1:{dead_port}", "backend_name": DOWN_BACKEND}
         kvgate_url = stack.enter_context(_kvgate_serve(live, tmp_path / "kvgate.log", ready=True))
         dead_url = stack.enter_context(_kvgate_serve(dead, tmp_path / "kvgate-down.log", ready=False))
+        sim_target, dead_target = sim_url.removeprefix("http://"), f"127.0.0.1:{dead_port}"
         config = _prometheus_config(
             tmp_path,
             kvgate=[kvgate_url.removeprefix("http://"), dead_url.removeprefix("http://")],
-            vllm={backend: sim_url.removeprefix("http://"), DOWN_BACKEND: f"127.0.0.1:{dead_port}"},
+            # The emulator named as kvgate names it; the dead port labelled with its address.
+            vllm={sim_target: LIVE_BACKEND, dead_target: None},
         )
         prometheus = stack.enter_context(_prometheus(config, tmp_path))
         load = stack.enter_context(Load(kvgate_url, sim_url, sim_config.model_name))
         client = stack.enter_context(httpx.Client())
 
         pending = dict(checks)
+        pending_backends = dict(per_backend)
         last: dict[str, Any] = {}
         active: set[str] = set()
         started = time.monotonic()
-        while pending or active != alerts:
+        while pending or pending_backends or active != alerts:
             for expr, (_, finite) in list(pending.items()):
                 data = _api(client, prometheus, "query", query=expr)
                 last[expr] = data["result"]
                 if _has_data(data, finite=finite):
                     del pending[expr]
+            for expr in list(pending_backends):
+                result = _api(client, prometheus, "query", query=expr)["result"]
+                last[expr] = result
+                if _backends_in(result) >= {LIVE_BACKEND, DOWN_BACKEND}:
+                    del pending_backends[expr]
             for alert in _api(client, prometheus, "alerts")["alerts"]:
                 if alert["state"] in ("pending", "firing"):
                     active.add(alert["labels"]["alertname"])
@@ -378,18 +422,85 @@ def test_every_panel_and_rule_returns_data_from_a_live_kvgate(tmp_path: Path) ->
         elapsed = time.monotonic() - started
 
         rules = [r for g in _api(client, prometheus, "rules")["groups"] for r in g["rules"]]
+        vllm_backends = _vllm_target_backends(client, prometheus)
 
     unanswered = [f"{checks[e][0]}:\n    {e}\n    -> {last.get(e)}" for e in pending]
     assert not unanswered, f"no data after {elapsed:.0f} s (load: {dict(load.statuses)}):\n" + "\n".join(
         unanswered
     )
+    missing = [f"{per_backend[e]}:\n    {e}\n    -> {last.get(e)}" for e in pending_backends]
+    assert not missing, "panels without a series for each backend:\n" + "\n".join(missing)
     assert active == alerts, f"alerts never active: {sorted(alerts - active)}; load: {dict(load.statuses)}"
     assert {r["name"] for r in rules} == alerts, "Prometheus did not load deploy/prometheus's rules"
     broken = {r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"}
     assert not broken, f"rules failing in Prometheus: {broken}"
+    # The relabel rule: a named vLLM keeps its name, an unnamed one is labelled with its address.
+    assert vllm_backends == {sim_target: LIVE_BACKEND, dead_target: dead_target}
     # The situations were real: kvgate served requests and shed others.
     assert load.statuses["kvgate 200"] > 0, dict(load.statuses)
     assert load.statuses["kvgate 429"] > 0, dict(load.statuses)
+
+
+def test_a_fresh_kvgate_leaves_no_panel_empty(tmp_path: Path) -> None:
+    """Started, serving its first requests one at a time, before anything was shed, queued or
+    preempted: every dashboard query and template variable returns series (a rate of 0, or a
+    NaN quantile of a histogram nothing was observed in), none "No data", because kvgate
+    exports every series whose labels it knows from the start."""
+    require_tool("prometheus")
+    sim_config = SimConfig(output_len=OutputLengthModel.parse(f"uniform:1:{GATEWAY_MAX_TOKENS}"))
+    queries = dashboard_queries() + variable_queries()
+    checks = _checks(queries, finite=False)
+
+    with contextlib.ExitStack() as stack:
+        sim_url = stack.enter_context(running_sim(sim_config))
+        settings = {"backend_url": sim_url, "backend_name": LIVE_BACKEND}
+        kvgate_url = stack.enter_context(_kvgate_serve(settings, tmp_path / "kvgate.log", ready=True))
+        config = _prometheus_config(
+            tmp_path,
+            kvgate=[kvgate_url.removeprefix("http://")],
+            vllm={sim_url.removeprefix("http://"): LIVE_BACKEND},
+        )
+        prometheus = stack.enter_context(_prometheus(config, tmp_path))
+        client = stack.enter_context(httpx.Client())
+
+        pending = dict(checks)
+        last: dict[str, Any] = {}
+        served = 0
+        started = time.monotonic()
+        while pending and time.monotonic() - started < DATA_TIMEOUT_S:
+            # One request at a time: nothing waits for blocks, none is shed, vLLM never preempts.
+            body = {
+                "model": sim_config.model_name,
+                "prompt": PROMPT,
+                "max_tokens": 16,
+                "stream": served % 2 == 0,
+            }
+            answer = client.post(f"{kvgate_url}/v1/completions", json=body, timeout=30.0)
+            assert answer.status_code == 200, answer.text
+            served += 1
+            for expr in list(pending):
+                data = _api(client, prometheus, "query", query=expr)
+                last[expr] = data["result"]
+                if _has_data(data, finite=False):
+                    del pending[expr]
+        elapsed = time.monotonic() - started
+
+        # Still before any shed, wait or preemption (else the check above proved nothing).
+        # (`or vector(0)`: a series kvgate does not export counts as nothing happened.)
+        quiet = [
+            'kvgate_requests_total{outcome!="completed"}',
+            "kvgate_queue_wait_prediction_error_seconds_count",
+            "vllm:num_preemptions_total",
+            "kvgate_backend_preemptions_total",
+        ]
+        seen: dict[str, float] = {}
+        for series in quiet:
+            (sample,) = _api(client, prometheus, "query", query=f"sum({series}) or vector(0)")["result"]
+            seen[series] = float(sample["value"][1])
+
+    assert seen == dict.fromkeys(quiet, 0.0), f"something was shed, queued or preempted: {seen}"
+    unanswered = [f"{checks[e][0]}:\n    {e}\n    -> {last.get(e)}" for e in pending]
+    assert not unanswered, f"no data after {elapsed:.0f} s and {served} requests:\n" + "\n".join(unanswered)
 
 
 @pytest.mark.parametrize("expr", ["sum(rate(kvgate_requests_total[1m]", 'up{job="kvgate"'])

@@ -110,16 +110,17 @@ CASES: list[dict[str, Any]] = [
         },
     },
     {
-        "name": "a scrape target that is down pages; other jobs do not",
+        "name": "a scrape target that is down pages, the replica beside it does not; other jobs do not",
         "series": {
-            'up{job="kvgate", instance="kvgate:8080"}': "1x4 0x20",
+            'up{job="kvgate", instance="kvgate-a:8080"}': "1x4 0x20",
+            'up{job="kvgate", instance="kvgate-b:8080"}': "1x24",
             'up{job="node", instance="node:9100"}': "0x24",
         },
         "expect": {
             "1m30s": {},
             "2m30s": {
                 "KvgateScrapeTargetDown": [
-                    {"job": "kvgate", "instance": "kvgate:8080", "severity": "critical"}
+                    {"job": "kvgate", "instance": "kvgate-a:8080", "severity": "critical"}
                 ]
             },
         },

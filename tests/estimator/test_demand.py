@@ -367,6 +367,8 @@ def test_reservation_covers_every_guaranteed_token(
     assert demand.reserved_blocks >= n * unshared - shared_at_most
     assert demand.max_blocks <= n * sum(blocks_for_tokens(1024, 16) for _ in prompt_lengths)
     assert floor <= demand.expected_output_tokens <= limits.cap
+    assert demand.floor_output_tokens == floor  # what the budget counts as certain to be held
+    assert demand.floor_blocks <= demand.reserved_blocks
 
 
 @given(

@@ -76,6 +76,8 @@ BAD_BODIES: list[tuple[Route, Any, str | None]] = [
     (Route.COMPLETIONS, {"prompt": ["ok", 3]}, "prompt[1]"),
     (Route.COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt[1]"),
     (Route.COMPLETIONS, {"prompt": [True, False]}, "prompt[0]"),
+    (Route.COMPLETIONS, {"prompt": [5, True, 7]}, "prompt[0]"),  # one boolean among the ids
+    (Route.COMPLETIONS, {"prompt": [5, 7.0]}, "prompt[0]"),
     (Route.COMPLETIONS, {"prompt": [224, -19547, 1030]}, "prompt"),
     (Route.COMPLETIONS, {"prompt": ["ok", [5, -1]]}, "prompt[1]"),
     (Route.COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),

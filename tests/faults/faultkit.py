@@ -31,11 +31,11 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from one_backend import OneBackend
 
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
 from gateway.lifecycle import server_options
-from gateway.service import BackendGateway
 from gateway.settings import Settings
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
@@ -246,7 +246,9 @@ def start_kvgate(
         "--tokenizer", str(tokenizer_dir()),
     ]  # fmt: skip
     for name, value in values.items():
-        command += ["--set", f"{name}={value}"]
+        # Tables (priority_classes) go over as JSON text, which the setting reads.
+        text = json.dumps(value) if isinstance(value, dict) else value
+        command += ["--set", f"{name}={text}"]
     if config_file is not None:
         command += ["--config", str(config_file)]
     command += list(extra_args)
@@ -298,9 +300,8 @@ class Served:
     loop: asyncio.AbstractEventLoop
 
     @property
-    def gateway(self) -> BackendGateway:
-        gateway: BackendGateway = self.app.state.kvgate
-        return gateway
+    def gateway(self) -> OneBackend:
+        return OneBackend(self.app.state.kvgate)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the gateway's event loop (its state is not thread-safe)."""
@@ -311,12 +312,12 @@ class Served:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
 
     def wait_until(
-        self, predicate: Callable[[BackendGateway], bool], timeout_s: float = 10.0, what: str = "condition"
+        self, predicate: Callable[[OneBackend], bool], timeout_s: float = 10.0, what: str = "condition"
     ) -> float:
         return poll_until(lambda: bool(self.call(lambda: predicate(self.gateway))), timeout_s, what)
 
 
-def gateway_idle(gateway: BackendGateway) -> bool:
+def gateway_idle(gateway: OneBackend) -> bool:
     totals = gateway.ledger.totals()
     return (
         totals.entries == 0
@@ -329,17 +330,19 @@ def gateway_idle(gateway: BackendGateway) -> bool:
 
 @contextlib.contextmanager
 def served_gateway(
-    backend_url: str,
+    backend_url: str | None,
     *,
     wait_ready: bool = True,
     counter: TokenCounter | None = None,
     send_buffer_bytes: int | None = None,
     **overrides: Any,
 ) -> Iterator[Served]:
-    """kvgate in front of `backend_url`, under uvicorn in a thread of this process, with the
+    """kvgate in front of `backend_url` (None: the `backends` in `overrides`), under uvicorn in
+    a thread of this process, with the
     HTTP server `kvgate serve` runs (`gateway.lifecycle.server_options`).
     `send_buffer_bytes` sets SO_SNDBUF on the listening socket (accepted sockets inherit it)."""
-    settings = Settings(backend_url=backend_url, **{**FAST_BUDGET, **overrides})
+    where = {"backend_url": backend_url} if backend_url is not None else {}
+    settings = Settings(**where, **{**FAST_BUDGET, **overrides})
     app = create_app(settings, token_counter=counter or TokenCounter.approximate())
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

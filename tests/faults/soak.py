@@ -35,9 +35,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -49,8 +51,9 @@ from sim.engine import EngineConfig, StepCost
 from sim.lengths import OutputLengthModel
 
 MB = 1024 * 1024
-# The idle upstream connections the pool keeps expire after 4 s (gateway.upstream); a quiet
-# point waits that long so that both quiet points hold the same connections.
+# The idle backend connections kvgate keeps (its generation pool and its client for /metrics and
+# /v1/models) expire after 4 s (gateway.upstream); a quiet point waits that long so that both
+# quiet points hold the same connections.
 KEEPALIVE_EXPIRY_WAIT_S = 4.5
 CLIENT_TIMEOUT_S = 30.0
 MAX_BACK_OFF_MS = 500
@@ -132,6 +135,43 @@ class Quiet:
     ledger_entries: int
     reserved_blocks: int
     queued: int
+    # What the descriptors are (see `descriptor_kinds`), so that a grown count says what grew.
+    fd_kinds: dict[str, int] = field(default_factory=dict)
+
+
+def _socket_ends(pid: int) -> dict[str, str]:
+    """Socket inode -> "local port -> remote port" for the process's TCP sockets."""
+    ends: dict[str, str] = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                local, remote, inode = fields[1], fields[2], fields[9]
+                local_port, remote_port = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+                ends[inode] = "listening" if remote_port == 0 else f"{local_port} -> {remote_port}"
+    return ends
+
+
+def descriptor_kinds(pid: int, listen_port: int, backend_port: int) -> dict[str, int]:
+    """The process's open descriptors by kind: client and backend connections, pipes, files."""
+    ends = _socket_ends(pid)
+    kinds: Counter[str] = Counter()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(entry.path)
+                if target.startswith("socket:["):
+                    end = ends.get(target[8:-1], "not tcp")
+                    if end.startswith(f"{listen_port} -> "):
+                        target = "tcp from a client"
+                    elif end.endswith(f" -> {backend_port}"):
+                        target = "tcp to the backend"
+                    else:
+                        target = f"socket ({end})"
+                elif target.startswith("pipe:"):
+                    target = "pipe"
+                kinds[target] += 1
+    return dict(sorted(kinds.items()))
 
 
 @dataclass
@@ -266,7 +306,11 @@ class Busy:
             self.idle.set()
 
 
-def _quiet_from(state: dict[str, Any], t_s: float) -> Quiet:
+# Equal readings in a row, 50 ms apart, before the quiet point counts descriptors.
+SETTLED_READINGS = 10
+
+
+def _quiet_from(state: dict[str, Any], t_s: float, fd_kinds: dict[str, int]) -> Quiet:
     backend = state["backends"][0]
     process = state["process"]
     return Quiet(
@@ -277,6 +321,7 @@ def _quiet_from(state: dict[str, Any], t_s: float) -> Quiet:
         ledger_entries=backend["ledger"]["entries"],
         reserved_blocks=backend["ledger"]["reserved_blocks"],
         queued=sum(backend["queue"]["depth"].values()),
+        fd_kinds=fd_kinds,
     )
 
 
@@ -315,12 +360,16 @@ async def run_soak(config: SoakConfig, workdir: Path, *, progress: bool = True) 
                 "metrics_stale_after_s": 0.5,
                 "first_byte_timeout_s": 1.5,
                 "between_chunk_timeout_s": 1.0,
-                "queue_timeout_normal_s": 5.0,
-                "retry_after_min_s": 0.05,
+                "priority_classes": {"normal": {"queue_timeout_s": 5.0}},
             },
             cpu=config.cpu,
         )
-        return await _drive(config, sim, kvgate.url, kvgate.admin_headers(), progress)
+        pid = kvgate.pid
+
+        def fd_kinds() -> dict[str, int]:
+            return descriptor_kinds(pid, urlsplit(kvgate.url).port or 80, urlsplit(sim.url).port or 80)
+
+        return await _drive(config, sim, kvgate.url, kvgate.admin_headers(), fd_kinds, progress)
     finally:
         if kvgate is not None:
             code = kvgate.stop(signal.SIGTERM)
@@ -330,7 +379,12 @@ async def run_soak(config: SoakConfig, workdir: Path, *, progress: bool = True) 
 
 
 async def _drive(
-    config: SoakConfig, sim: SimProcess, url: str, admin: dict[str, str], progress: bool
+    config: SoakConfig,
+    sim: SimProcess,
+    url: str,
+    admin: dict[str, str],
+    fd_kinds: Callable[[], dict[str, int]],
+    progress: bool,
 ) -> SoakReport:
     tally = Tally()
     stop = asyncio.Event()
@@ -420,13 +474,14 @@ async def _drive(
         tally.sent += 1
         tally.add("200")
         # The probe's connection closed: let the server notice before counting descriptors
-        # (three equal readings in a row), bounded so that a leak shows rather than hangs.
+        # (equal readings for half a second: on a loaded machine a close can take longer than a
+        # few readings to be seen), bounded so that a leak shows rather than hangs.
         deadline = time.monotonic() + 5
         readings: list[Quiet] = []
         while True:
-            readings.append(_quiet_from(await admin_state(), time.monotonic() - started))
-            last = readings[-3:]
-            settled = len(last) == 3 and len({(q.fds, q.tasks) for q in last}) == 1
+            readings.append(_quiet_from(await admin_state(), time.monotonic() - started, fd_kinds()))
+            last = readings[-SETTLED_READINGS:]
+            settled = len(last) == SETTLED_READINGS and len({(q.fds, q.tasks) for q in last}) == 1
             if (settled and last[-1].ledger_entries == 0) or time.monotonic() > deadline:
                 return readings[-1]
             await asyncio.sleep(0.05)
@@ -518,6 +573,9 @@ def summary(report: SoakReport) -> str:
         f"{max(rss):.1f} MB, fds max {max(fds)}, tasks max {max(tasks)}",
     ]
     lines += [f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in report.checks.items()]
+    if report.final.fd_kinds != report.baseline.fd_kinds:
+        lines.append(f"  descriptors after warm-up: {report.baseline.fd_kinds}")
+        lines.append(f"  descriptors at the end:    {report.final.fd_kinds}")
     lines += [f"  problem: {p}" for p in report.problems]
     return "\n".join(lines)
 

@@ -206,7 +206,7 @@ def _storm(kvgate: KvgateProcess, sim: SimProcess, streaming: int, queued: int) 
 
 def test_a_disconnect_storm_leaves_nothing_behind(tmp_path: Path) -> None:
     # 250 streams of 10 blocks (2 prompt + 150 output tokens) fill the 2,500 usable blocks;
-    # 250 more must queue.
+    # 250 more must queue (no overcommit: the pool is what this storm fills).
     config = SimConfig(
         engine=EngineConfig(
             num_blocks=2501,
@@ -219,7 +219,9 @@ def test_a_disconnect_storm_leaves_nothing_behind(tmp_path: Path) -> None:
     sim.start()
     try:
         with kvgate_process(
-            sim.url, tmp_path / "kvgate.log", settings={"metrics_poll_interval_s": 0.05}
+            sim.url,
+            tmp_path / "kvgate.log",
+            settings={"metrics_poll_interval_s": 0.05, "budget_overcommit": 0.0},
         ) as kvgate:
             took = _storm(kvgate, sim, streaming=250, queued=250)
             print(f"500 clients gone: queue and ledger at zero after {took:.3f} s")

@@ -91,7 +91,14 @@ def test_sigterm_drains_and_exits_cleanly(sim: SimProcess, tmp_path: Path) -> No
     kvgate = start_kvgate(
         sim.url,
         tmp_path / "kvgate.log",
-        settings={"shutdown_delay_s": 1.0, "shutdown_grace_s": 2, "log_level": "info", "log_format": "json"},
+        # No overcommit: the requests behind the four streams must wait, not be let in on room.
+        settings={
+            "shutdown_delay_s": 1.0,
+            "shutdown_grace_s": 2,
+            "log_level": "info",
+            "log_format": "json",
+            "budget_overcommit": 0,
+        },
     )
     try:
         with ThreadPoolExecutor(8) as pool:
@@ -143,16 +150,33 @@ def test_sigterm_drains_and_exits_cleanly(sim: SimProcess, tmp_path: Path) -> No
 
 
 def write_config(path: Path, **values: Any) -> None:
-    path.write_text("".join(f"{name} = {json.dumps(value)}\n" for name, value in values.items()))
+    path.write_text("".join(f"{name} = {toml_value(value)}\n" for name, value in values.items()))
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{key} = {toml_value(inner)}" for key, inner in value.items()) + " }"
+    return json.dumps(value)
+
+
+def normal_queue(size: int) -> dict[str, dict[str, int]]:
+    return {"normal": {"queue_max": size}}
+
+
+def normal_queue_max(state: dict[str, Any]) -> int:
+    return int(state["settings"]["priority_classes"]["normal"]["queue_max"])
 
 
 def test_sighup_and_admin_reload_apply_settings_without_dropping_requests(
     sim: SimProcess, tmp_path: Path
 ) -> None:
     config = tmp_path / "kvgate.toml"
-    write_config(config, queue_max_normal=8, output_quantile=0.9, first_byte_timeout_s=300.0)
+    write_config(config, priority_classes=normal_queue(8), output_quantile=0.9, first_byte_timeout_s=300.0)
     with (
-        kvgate_process(sim.url, tmp_path / "kvgate.log", config_file=config) as kvgate,
+        # No overcommit: the requests behind the four streams must wait, not be let in on room.
+        kvgate_process(
+            sim.url, tmp_path / "kvgate.log", config_file=config, settings={"budget_overcommit": 0}
+        ) as kvgate,
         ThreadPoolExecutor(8) as pool,
     ):
         streams = [pool.submit(stream_to_end, kvgate.url, STREAM) for _ in range(4)]
@@ -163,9 +187,11 @@ def test_sighup_and_admin_reload_apply_settings_without_dropping_requests(
         poll_until(lambda: queued(kvgate) == 2, what="two requests queued")
 
         # SIGHUP: a zero-length queue, another quantile; a new backend URL needs a restart.
-        write_config(config, queue_max_normal=0, output_quantile=0.5, first_byte_timeout_s=300.0)
+        write_config(
+            config, priority_classes=normal_queue(0), output_quantile=0.5, first_byte_timeout_s=300.0
+        )
         kvgate.process.send_signal(signal.SIGHUP)
-        poll_until(lambda: kvgate.state()["settings"]["queue_max_normal"] == 0, what="the reload")
+        poll_until(lambda: normal_queue_max(kvgate.state()) == 0, what="the reload")
         state = kvgate.state()
         assert state["settings"]["output_quantile"] == 0.5
         assert state["backends"][0]["output_model"]["quantile"] == 0.5
@@ -181,22 +207,26 @@ def test_sighup_and_admin_reload_apply_settings_without_dropping_requests(
 
         # The admin call does the same and reports what it did.
         write_config(
-            config, queue_max_normal=5, output_quantile=0.5, first_byte_timeout_s=300.0, tokenizer_threads=3
+            config,
+            priority_classes=normal_queue(5),
+            output_quantile=0.5,
+            first_byte_timeout_s=300.0,
+            tokenizer_threads=3,
         )
         answer = httpx.post(f"{kvgate.url}/admin/reload", headers=kvgate.admin_headers(), timeout=10)
         assert answer.status_code == 200
         assert answer.json() == {
-            "applied": ["queue_max_normal"],
+            "applied": ["priority_classes"],
             "needs_restart": ["tokenizer_threads"],
             "error": None,
         }
         assert kvgate.state()["settings"]["tokenizer_threads"] == 2  # kept until a restart
         # Invalid settings are refused whole; the running ones stay.
-        write_config(config, queue_max_normal=-1, output_quantile=7)
+        write_config(config, priority_classes=normal_queue(-1), output_quantile=7)
         refused = httpx.post(f"{kvgate.url}/admin/reload", headers=kvgate.admin_headers(), timeout=10)
         assert refused.status_code == 400
-        assert "queue_max_normal" in refused.json()["error"]
-        assert kvgate.state()["settings"]["queue_max_normal"] == 5
+        assert "priority_classes.normal.queue_max" in refused.json()["error"]
+        assert normal_queue_max(kvgate.state()) == 5
         # A reload needs the admin token like the rest of the admin API.
         assert httpx.post(f"{kvgate.url}/admin/reload", timeout=10).status_code == 401
         poll_until(lambda: ledger_balanced(kvgate.state()), what="the ledger to balance")

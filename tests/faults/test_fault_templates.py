@@ -119,7 +119,7 @@ def test_a_large_count_in_the_pool_never_holds_a_small_one_on_the_loop(sim: SimS
         try:
             big = client.submit(httpx.post, f"{kvgate.url}/v1/completions", json=large, timeout=WAIT_S)
             assert entered.wait(WAIT_S), "the large body never reached the tokenizer"
-            assert kvgate.call(lambda: kvgate.gateway._pending_counts) == 1  # it is in the pool
+            assert kvgate.call(lambda: kvgate.gateway.preparer._pending_counts) == 1  # it is in the pool
             answered = httpx.post(f"{kvgate.url}/v1/completions", json=small, timeout=30)
             health = httpx.get(f"{kvgate.url}/healthz", timeout=30)
             still_counting = not big.done()

@@ -21,7 +21,7 @@ import testbed
 from faultkit import Served, free_port, served_gateway
 
 from estimator.tokens import UNTRUSTED_TEMPLATE_MESSAGE, Route, TokenCounter
-from gateway.backend import load_token_counter
+from gateway.discovery import load_token_counter
 
 pytestmark = pytest.mark.vllm
 

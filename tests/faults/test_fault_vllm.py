@@ -32,7 +32,11 @@ MODEL = "tiny-llama"
 @pytest.fixture(scope="module")
 def kvgate(vllm_url: str, tiny_model_dir: Path) -> Iterator[Served]:
     counter = TokenCounter.from_pretrained(str(tiny_model_dir), max_model_len=1024)
-    with served_gateway(vllm_url, counter=counter, metrics_poll_interval_s=0.1) as served:
+    # What vLLM answers is under test, not staleness: a reading is trusted for 2 s, so that a
+    # scrape slowed by a loaded machine does not turn a 400 into 503 budget_unknown.
+    with served_gateway(
+        vllm_url, counter=counter, metrics_poll_interval_s=0.1, metrics_stale_after_s=2.0
+    ) as served:
         yield served
 
 
@@ -103,7 +107,9 @@ def test_fields_pass_through_to_vllm(kvgate: Served) -> None:
 
 def test_a_first_byte_timeout_makes_vllm_abort(vllm_url: str, tiny_model_dir: Path) -> None:
     counter = TokenCounter.from_pretrained(str(tiny_model_dir), max_model_len=1024)
-    with served_gateway(vllm_url, counter=counter, first_byte_timeout_s=0.3) as kvgate:
+    with served_gateway(
+        vllm_url, counter=counter, first_byte_timeout_s=0.3, metrics_stale_after_s=2.0
+    ) as kvgate:
         body = {"model": MODEL, "prompt": "tell me", "max_tokens": 900, "ignore_eos": True}
         response = httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 504

@@ -11,17 +11,18 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from one_backend import OneBackend
 
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
-from gateway.service import BackendGateway
+from gateway.router import Router
 from gateway.settings import Settings
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
@@ -48,7 +49,7 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what
         await asyncio.sleep(0.005)
 
 
-def ledger_is_empty(gateway: BackendGateway) -> bool:
+def ledger_is_empty(gateway: OneBackend) -> bool:
     totals = gateway.ledger.totals()
     return (
         totals.entries == 0
@@ -65,9 +66,8 @@ class InProcess:
     sim: SimApp
 
     @property
-    def gateway(self) -> BackendGateway:
-        gateway: BackendGateway = self.app.state.kvgate
-        return gateway
+    def gateway(self) -> OneBackend:
+        return OneBackend(self.app.state.kvgate)
 
 
 @contextlib.asynccontextmanager
@@ -77,11 +77,59 @@ async def gateway_over_sim(sim_config: SimConfig | None = None, **overrides: Any
         settings = Settings(backend_url="http://sim", **{**TEST_SETTINGS, **overrides})
         app = create_app(settings, http_client=backend, token_counter=TokenCounter.approximate())
         async with app.router.lifespan_context(app):
-            gateway: BackendGateway = app.state.kvgate
+            gateway = OneBackend(app.state.kvgate)
             await wait_until(lambda: gateway.readiness()[0], READY_TIMEOUT_S, "the gateway to be ready")
             transport = httpx.ASGITransport(app)
             async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
                 yield InProcess(app, client, sim_app)
+
+
+@dataclass
+class InProcessFleet:
+    app: FastAPI
+    client: httpx.AsyncClient
+    sims: dict[str, SimApp]
+
+    @property
+    def router(self) -> Router:
+        router: Router = self.app.state.kvgate
+        return router
+
+
+@contextlib.asynccontextmanager
+async def gateway_over_sims(
+    sims: Mapping[str, SimConfig],
+    transports: Mapping[str, Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]] | None = None,
+    **overrides: Any,
+) -> AsyncIterator[InProcessFleet]:
+    """kvgate in process in front of several emulators, backend NAME at http://NAME; a
+    backend named in `transports` is reached through what its function wraps around it."""
+    apps = {name: create_sim_app(config) for name, config in sims.items()}
+    async with contextlib.AsyncExitStack() as stack:
+        for sim_app in apps.values():
+            await stack.enter_async_context(sim_app.run())
+        mounts: dict[str, httpx.AsyncBaseTransport] = {}
+        for name, sim_app in apps.items():
+            transport: httpx.AsyncBaseTransport = httpx.ASGITransport(sim_app)
+            if transports is not None and name in transports:
+                transport = transports[name](transport)
+            mounts[f"http://{name}"] = transport
+        backend = await stack.enter_async_context(httpx.AsyncClient(mounts=mounts))
+        settings = Settings(
+            backends=[f"{name}=http://{name}" for name in apps], **{**TEST_SETTINGS, **overrides}
+        )
+        app = create_app(settings, http_client=backend, token_counter=TokenCounter.approximate())
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        router: Router = app.state.kvgate
+        await wait_until(
+            lambda: all(b.readiness()[0] for b in router.backends),
+            READY_TIMEOUT_S,
+            "every backend to be ready",
+        )
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost")
+        )
+        yield InProcessFleet(app, client, apps)
 
 
 @pytest.fixture
@@ -100,9 +148,8 @@ class Served:
     loop: asyncio.AbstractEventLoop
 
     @property
-    def gateway(self) -> BackendGateway:
-        gateway: BackendGateway = self.app.state.kvgate
-        return gateway
+    def gateway(self) -> OneBackend:
+        return OneBackend(self.app.state.kvgate)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the gateway's event loop and return its result (thread-safe reads)."""
@@ -113,7 +160,7 @@ class Served:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=10)
 
     def wait_until(
-        self, predicate: Callable[[BackendGateway], bool], timeout_s: float = 10.0, what: str = ""
+        self, predicate: Callable[[OneBackend], bool], timeout_s: float = 10.0, what: str = ""
     ) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.call(lambda: predicate(self.gateway)):

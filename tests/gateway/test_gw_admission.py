@@ -17,16 +17,14 @@ from gateway.admission import (
     Prediction,
     Priority,
     Reason,
-    RetryAdvice,
     Waiter,
+    retry_after,
 )
 from gateway.capacity import BudgetSnapshot, BudgetState
 
 CONFIG = PolicyConfig(
     max_queued={Priority.HIGH: 4, Priority.NORMAL: 4, Priority.LOW: 4},
     max_bypass=2,
-    early_shed=True,
-    retry=RetryAdvice(default_s=1.0, min_s=0.25, max_s=60.0),
 )
 POLICY = AdmissionPolicy(CONFIG)
 
@@ -254,24 +252,6 @@ def test_a_size_correction_moves_arrivals_early_shedding_both_ways() -> None:
     assert policy.plan(settled, budget(10), 10.0, now=0.0, scale=BySize(0.01, 100.0)).shed == ()
 
 
-def test_a_strict_arrival_is_shed_when_it_would_miss_its_objective() -> None:
-    # 40 blocks short at 10 blocks/s: ready in 4 s; deadline in 9 s, objective in 2 s.
-    arrival = Ask(50, 50, Priority.NORMAL, arrived_at=0.0, deadline_at=9.0, objective_at=2.0)
-    burst = POLICY.plan([Waiter(0, arrival)], budget(10), drain_rate=10.0, now=0.0)
-    assert burst.shed == ()  # within capacity: it still finishes in time, serve it late
-    beyond = POLICY.plan([Waiter(0, arrival, strict=True)], budget(10), drain_rate=10.0, now=0.0)
-    ((key, decision),) = beyond.shed
-    assert (key, decision.kind, decision.reason) == (0, DecisionKind.SHED, Reason.OBJECTIVE_UNREACHABLE)
-    assert decision.retry_after_s == pytest.approx(4.0)
-    # Within reach of its objective, a strict arrival joins the queue.
-    near = replace(arrival, objective_at=5.0)
-    assert POLICY.plan([Waiter(0, near, strict=True)], budget(10), 10.0, now=0.0).shed == ()
-    # Its deadline still counts first.
-    hopeless = replace(arrival, deadline_at=3.0)
-    ((_, decision),) = POLICY.plan([Waiter(0, hopeless, strict=True)], budget(10), 10.0, now=0.0).shed
-    assert decision.reason is Reason.DEADLINE_UNREACHABLE
-
-
 def test_an_arrival_must_leave_slack_before_its_deadline_a_waiter_need_not() -> None:
     slack = AdmissionPolicy(replace(CONFIG, arrival_slack=0.2))
     # Ready in 4 s (40 blocks short at 10/s); deadline 4.5 s away: 0.5 s of slack, under 20%.
@@ -283,10 +263,9 @@ def test_an_arrival_must_leave_slack_before_its_deadline_a_waiter_need_not() -> 
     assert slack.plan([Waiter(0, ask(50, deadline=5.5), arriving=True)], budget(10), 10.0, now=0.0).shed == ()
 
 
-def test_no_early_shedding_without_an_observed_rate_or_when_disabled() -> None:
+def test_no_early_shedding_without_an_observed_rate() -> None:
     assert POLICY.plan(waiters(ask(50, deadline=3.0)), budget(10), None, now=0.0).shed == ()
-    off = AdmissionPolicy(replace(CONFIG, early_shed=False))
-    assert off.plan(waiters(ask(50, deadline=3.0)), budget(10), 10.0, now=0.0).shed == ()
+    assert POLICY.plan(waiters(ask(50, deadline=3.0)), budget(10), 10.0, now=0.0).shed != ()
 
 
 def test_unknown_budget_admits_nobody_and_a_down_backend_sheds_everyone() -> None:
@@ -303,7 +282,7 @@ def test_unknown_budget_admits_nobody_and_a_down_backend_sheds_everyone() -> Non
     [(10, None, 1.0), (10, 0.0, 1.0), (10, 5.0, 2.0), (0, 5.0, 0.25), (10_000, 1.0, 60.0)],
 )
 def test_retry_advice(blocks: float, rate: float | None, expected: float) -> None:
-    assert CONFIG.retry.after(blocks, rate) == expected
+    assert retry_after(blocks, rate) == expected
 
 
 # -- properties -------------------------------------------------------------------------------

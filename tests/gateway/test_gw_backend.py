@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import pytest
 from conftest import FAST_ENGINE, TEST_SETTINGS, InProcess, gateway_over_sim, ledger_is_empty, wait_until
+from one_backend import OneBackend
 from starlette.types import Receive, Scope, Send
 
 from estimator.kv import blocks_for_tokens, kv_cache_layout, model_shape, request_blocks
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
-from gateway.backend import BackendInfo, ServedModel, parse_models, parse_version, tokenizer_candidates
-from gateway.service import BackendGateway
+from gateway.discovery import BackendInfo, ServedModel, parse_models, parse_version, tokenizer_candidates
 from gateway.settings import Settings
 from sim.config import SimConfig
 from sim.server import create_sim_app
@@ -121,7 +121,7 @@ async def gateway_over_versioned_sim(version: str | None) -> AsyncIterator[InPro
         settings = Settings(backend_url="http://sim", **TEST_SETTINGS)
         app = create_app(settings, http_client=backend, token_counter=TokenCounter.approximate())
         async with app.router.lifespan_context(app):
-            gateway: BackendGateway = app.state.kvgate
+            gateway = OneBackend(app.state.kvgate)
             await wait_until(lambda: gateway.readiness()[0], 10.0, "the gateway to be ready")
             async with httpx.AsyncClient(
                 transport=httpx.ASGITransport(app), base_url="http://kvgate"
@@ -173,7 +173,8 @@ async def test_a_hybrid_models_requests_reserve_blocks_in_every_kv_group(tmp_pat
     prompt = list(range(1, 601))
     async with gateway_over_sim(model=str(tmp_path), output_backend_prior=False) as harness:
         gateway = harness.gateway
-        assert gateway.model_shape is not None
+        # Read in the executor after discovery: on a loaded machine after readiness.
+        await wait_until(lambda: gateway.model_shape is not None, 10.0, "the model's config to be read")
         response = await harness.client.post(
             "/v1/completions", json={"prompt": prompt, "max_tokens": 20, "ignore_eos": True}
         )

@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 import pytest
 from conftest import FAST_ENGINE, READY_TIMEOUT_S, TEST_SETTINGS, wait_until
+from one_backend import OneBackend
 
 from bench.payload import OUTPUT_TOKENS_FIELD
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
 from gateway.logs import REQUEST_LOGGER, JsonFormatter
-from gateway.service import BackendGateway
 from gateway.settings import Settings
 from sim.config import SimConfig
 from sim.server import create_sim_app
@@ -82,7 +82,7 @@ class FieldLayer:
 
 
 @contextlib.asynccontextmanager
-async def gateway_over(layer: FieldLayer) -> AsyncIterator[tuple[httpx.AsyncClient, BackendGateway]]:
+async def gateway_over(layer: FieldLayer) -> AsyncIterator[tuple[httpx.AsyncClient, OneBackend]]:
     sim = layer.app
     async with sim.run(), httpx.AsyncClient(transport=httpx.ASGITransport(layer)) as backend:
         app = create_app(
@@ -91,7 +91,7 @@ async def gateway_over(layer: FieldLayer) -> AsyncIterator[tuple[httpx.AsyncClie
             token_counter=TokenCounter.approximate(),
         )
         async with app.router.lifespan_context(app):
-            gateway: BackendGateway = app.state.kvgate
+            gateway = OneBackend(app.state.kvgate)
             await wait_until(lambda: gateway.readiness()[0], READY_TIMEOUT_S, "the gateway to be ready")
             transport = httpx.ASGITransport(app)
             async with httpx.AsyncClient(transport=transport, base_url="http://kvgate") as client:

@@ -18,7 +18,6 @@ CONFIG = CapacityConfig(
     down_after_failures=2,
     min_fraction=0.5,
     max_fraction=1.0,
-    initial_fraction=1.0,
     decrease_factor=0.8,
     increase_per_s=0.02,
     quiet_s=5.0,
@@ -40,6 +39,11 @@ def reading(
         engines=1,
         prefix_caching=True,
     )
+
+
+def moving(used: float, step: int) -> BackendReading:
+    """A reading of an engine that has stepped and whose metrics text changed since the last."""
+    return replace(reading(used), engine_steps_total=float(step), digest=float(step))
 
 
 def booking(prompt_blocks: int, expected_blocks: int = 0) -> Demand:
@@ -105,24 +109,6 @@ def test_a_request_that_just_ended_is_not_taken_for_external_usage() -> None:
     ledger.close(2)  # its 5 blocks may still be reported for the settle time, no longer
     assert budget.observe(reading(25.0), started_at=11.0, now=11.01).external_blocks == 25 - 5
     assert budget.observe(reading(25.0), started_at=12.0, now=12.01).external_blocks == 25
-
-
-def test_a_scrape_multiplexes_the_peaks_of_requests_at_different_stages() -> None:
-    ledger = InMemoryLedger(multiplex=True)
-    ledger.open(1, booking(2, 20), now=0.0)  # peaks at 22 blocks, 320 tokens from now
-    ledger.open(2, booking(2, 20), now=0.0)
-    ledger.grow(2, 0, 19 * 16)  # 16 tokens from its end: holds 21, reserves 22
-    budget = KvBudget(CONFIG, ledger)
-    assert budget.snapshot(now=0.0).committed_blocks == 22 + 22  # not yet recomputed
-    budget.observe(reading(2.0 + 21.0), started_at=10.0, now=10.0)
-    # The second ends 16 steps from now, holding 22, when the first holds its 2 prompt blocks
-    # and 1 more; after that only the first holds anything, 22 at most.
-    assert budget.snapshot(now=10.0).committed_blocks == 22 + 3
-    off = InMemoryLedger()
-    off.open(1, booking(2, 20), now=0.0)
-    off.open(2, booking(2, 20), now=0.0)
-    KvBudget(CONFIG, off).observe(reading(4.0), started_at=10.0, now=10.0)
-    assert off.totals().committed_blocks == 44
 
 
 def test_less_usage_than_settled_entries_hold_is_credited() -> None:
@@ -268,7 +254,7 @@ def test_preemptions_with_nothing_of_ours_in_flight_do_not_shrink_the_budget() -
 
 def test_config_refuses_inverted_bounds() -> None:
     with pytest.raises(ValueError, match="min_fraction"):
-        replace(CONFIG, min_fraction=0.9, initial_fraction=0.8)
+        replace(CONFIG, min_fraction=0.9, max_fraction=0.8)
 
 
 OVERCOMMIT = replace(CONFIG, overcommit=0.3, overcommit_room=0.25)
@@ -280,7 +266,7 @@ def test_aimd_grows_past_the_pool_only_by_the_headroom_it_is_given() -> None:
     limit.observe(0.0, 10.0)
     assert limit.fraction == 1.0  # quiet, but nothing shows the reservations overstate
     limit.observe(0.0, 20.0, headroom=0.2)
-    assert limit.fraction == pytest.approx(1.2)  # 10 s at 0.02 per s
+    assert limit.fraction == pytest.approx(1.2)  # past the pool it grows fast, to the headroom
     limit.observe(0.0, 30.0)
     assert limit.fraction == pytest.approx(1.2)  # no headroom now: it stops, keeps its gain
     limit.observe(0.0, 60.0, headroom=0.9)
@@ -316,18 +302,24 @@ def test_overstatement_is_what_completed_reservations_exceeded() -> None:
     assert budget.overstatement == pytest.approx(0.0, abs=1e-3)
 
 
-def test_waiting_requests_an_underused_pool_and_overstated_reservations_grow_the_budget() -> None:
+def test_waiting_requests_and_an_underused_pool_grow_the_budget() -> None:
     ledger = InMemoryLedger()
     ledger.open(1, booking(30, 40), now=0.0)  # holds 30, reserves 70
-    budget = overstated_budget(ledger, reserved=30, reached=20)  # overstatement 0.5, cut to 0.3
-    budget.observe(reading(30.0), started_at=1.0, now=1.0, waiting=True)
-    budget.observe(reading(30.0), started_at=11.0, now=11.0, waiting=True)
-    snapshot = budget.snapshot(11.1)
-    assert snapshot.admissible_blocks == 120
+    budget = KvBudget(OVERCOMMIT, ledger)
+    budget.observe(moving(0.0, 0), started_at=-0.5, now=-0.5)  # a scrape from before it came
+    budget.observe(moving(30.0, 1), started_at=0.5, now=0.5, waiting=True)
+    snapshot = budget.snapshot(0.6)
+    assert snapshot.admissible_blocks == 125  # 1 s at OVERCOMMIT_GROWTH_PER_S
     assert snapshot.pool_limit_blocks == 100  # no single request may need more than the pool
-    assert snapshot.free_blocks == 50
-    budget.observe(reading(30.0), started_at=31.0, now=31.0, waiting=True)
-    assert budget.snapshot(31.1).admissible_blocks == 130
+    assert snapshot.free_blocks == 55
+    budget.observe(moving(30.0, 3), started_at=11.0, now=11.0, waiting=True)
+    assert budget.snapshot(11.1).admissible_blocks == 130  # never past max + overcommit
+    # The same readings from an engine not seen to move (frozen, or no step counter) are no
+    # evidence of room: the share stays at the pool.
+    still = KvBudget(OVERCOMMIT, ledger)
+    for now in (-0.5, 0.5, 11.0):
+        still.observe(reading(30.0), started_at=now, now=now, waiting=True)
+    assert still.snapshot(11.1).admissible_blocks == 100
 
 
 @pytest.mark.parametrize(
@@ -336,7 +328,6 @@ def test_waiting_requests_an_underused_pool_and_overstated_reservations_grow_the
         pytest.param(80.0, 0, True, 20, id="pool-nearly-full"),
         pytest.param(30.0, 2, True, 20, id="vllm-has-its-own-queue"),
         pytest.param(30.0, 0, False, 20, id="nobody-waits-in-the-gateway"),
-        pytest.param(30.0, 0, True, 30, id="reservations-were-met"),
     ],
 )
 def test_the_budget_stays_within_the_pool_without_evidence_of_room(
@@ -350,6 +341,32 @@ def test_the_budget_stays_within_the_pool_without_evidence_of_room(
     assert budget.snapshot(21.1).admissible_blocks == 100
 
 
+def test_answers_certain_to_grow_are_no_evidence_of_room() -> None:
+    # A request that holds 30 blocks and reserves 80, with `ignore_eos`: its floor is its
+    # reservation. vLLM shows 70 of 100 unused, but 50 of them are certain to be filled: 20
+    # unused is under the room of 25, and the share stays at the pool.
+    certain = replace(booking(30, 50), floor_output_tokens=50 * 16)
+    ledger = InMemoryLedger()
+    ledger.open(1, certain, now=0.0)
+    budget = KvBudget(OVERCOMMIT, ledger)
+    budget.observe(moving(0.0, 0), started_at=-0.5, now=-0.5)
+    budget.observe(moving(30.0, 1), started_at=0.5, now=0.5, waiting=True)
+    budget.observe(moving(30.0, 3), started_at=11.0, now=11.0, waiting=True)
+    assert budget.snapshot(11.1).admissible_blocks == 100
+    # Halfway (25 of its 50 floor blocks grown) the same: what it holds is in vLLM's count.
+    ledger.grow(1, 0, 25 * 16)
+    budget.observe(moving(55.0, 4), started_at=21.0, now=21.0, waiting=True)
+    assert budget.snapshot(21.1).admissible_blocks == 100
+    # A floor of 10 blocks leaves 100 - 30 - 10 = 60 unused: room, and the share grows.
+    partly = replace(booking(30, 50), floor_output_tokens=10 * 16)
+    ledger = InMemoryLedger()
+    ledger.open(1, partly, now=0.0)
+    budget = KvBudget(OVERCOMMIT, ledger)
+    budget.observe(moving(0.0, 0), started_at=-0.5, now=-0.5)
+    budget.observe(moving(30.0, 1), started_at=0.5, now=0.5, waiting=True)
+    assert budget.snapshot(0.6).admissible_blocks == 125
+
+
 def test_blocks_sent_since_the_scrape_settled_count_as_used() -> None:
     # vLLM reports 30 of 100 used, but 50 more were just sent: 20 unused is under the room.
     ledger = InMemoryLedger()
@@ -359,3 +376,23 @@ def test_blocks_sent_since_the_scrape_settled_count_as_used() -> None:
     budget.observe(reading(30.0), started_at=1.0, now=1.0, waiting=True)
     budget.observe(reading(30.0), started_at=11.0, now=11.0, waiting=True)
     assert budget.snapshot(11.1).admissible_blocks == 100
+
+
+def test_an_answer_sent_whole_grows_within_its_reservation_without_counting_twice() -> None:
+    ledger = InMemoryLedger()
+    # 4 prompt blocks, 10 more reserved for its answer, which the ledger will not see grow.
+    ledger.open(1, booking(4, 10), now=0.0, streamed=False)
+    budget = KvBudget(CONFIG, ledger)
+    # vLLM holds prompt + 8 blocks of answer by now: within the reservation, nobody else's.
+    budget.observe(reading(12.0), started_at=10.0, now=10.0)
+    assert budget.external_blocks == 0
+    assert budget.snapshot(now=10.0).committed_blocks == 14
+    # The same growth of a streamed answer the ledger has not seen is someone else's usage.
+    streamed = InMemoryLedger()
+    streamed.open(1, booking(4, 10), now=0.0)
+    other = KvBudget(CONFIG, streamed)
+    other.observe(reading(12.0), started_at=10.0, now=10.0)
+    assert other.external_blocks > 0
+    # Past its reservation, the excess is external after all.
+    budget.observe(reading(20.0), started_at=11.0, now=11.0)
+    assert budget.external_blocks == 20 - 14 - 1  # one partly filled block per sequence tolerated

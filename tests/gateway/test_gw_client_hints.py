@@ -1,4 +1,5 @@
-"""Client hints: priority and deadline headers, the SDK's read timeout, queue deadlines."""
+"""Client hints: priority, deadline and expected-output headers, the SDK's read timeout, queue
+deadlines."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import pytest
 
 from gateway.admission import Priority
 from gateway.client_hints import (
+    EXPECTED_OUTPUT_HEADER,
+    MAX_EXPECTED_OUTPUT_TOKENS,
     NO_SERVICE_ESTIMATE,
     PRIORITY_TOKEN_HEADER,
     ClientHints,
     HintError,
-    QueueDeadlines,
     ServiceEstimate,
     parse_hints,
-    queue_deadlines,
+    queue_deadline,
 )
 from gateway.errors import PermissionDeniedError
 
@@ -61,6 +63,53 @@ def test_malformed_headers_name_themselves(headers: dict[str, str], header: str)
     with pytest.raises(HintError) as error:
         parse_hints(headers, streaming=False)
     assert error.value.header == header
+
+
+@pytest.mark.parametrize(
+    ("raw", "tokens"),
+    [
+        ("1", 1),
+        ("256", 256),
+        (" 40 ", 40),  # whitespace around a value is not part of it
+        ("007", 7),
+        ("0" * 200 + "12", 12),
+        (str(MAX_EXPECTED_OUTPUT_TOKENS), MAX_EXPECTED_OUTPUT_TOKENS),
+    ],
+)
+def test_the_expected_output_length(raw: str, tokens: int) -> None:
+    hints = parse_hints({EXPECTED_OUTPUT_HEADER: raw, "x-kvgate-deadline-ms": "5000"}, streaming=True)
+    assert hints == ClientHints(Priority.NORMAL, 5.0, None, tokens)
+
+
+def test_no_expected_output_length_leaves_it_to_the_model() -> None:
+    assert parse_hints({}, streaming=False).expected_output_tokens is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "",
+        "0",
+        "000",
+        "-3",
+        "+5",
+        "12.5",
+        "12.0",
+        "1e3",
+        "5_000",
+        "0x10",
+        "ten",
+        "4 2",
+        "\u0664\u0662",  # another script's digits: int() takes them, the header takes ASCII
+        str(MAX_EXPECTED_OUTPUT_TOKENS + 1),
+        "9" * 5000,  # past int()'s digit limit: still a 400, not a 500
+    ],
+)
+def test_a_malformed_expected_output_length_names_its_header(raw: str) -> None:
+    with pytest.raises(HintError) as error:
+        parse_hints({EXPECTED_OUTPUT_HEADER: raw}, streaming=False)
+    assert error.value.header == EXPECTED_OUTPUT_HEADER == "x-kvgate-expected-output-tokens"
+    assert EXPECTED_OUTPUT_HEADER in error.value.message
 
 
 TOKEN = "prio-token-5521"
@@ -127,29 +176,18 @@ INF = math.inf
 @pytest.mark.parametrize(
     ("hints", "service", "expected"),
     [
-        (ClientHints(Priority.NORMAL, None, None), NO_SERVICE_ESTIMATE, QueueDeadlines(130.0, 130.0)),
-        (ClientHints(Priority.NORMAL, 10.0, None), NO_SERVICE_ESTIMATE, QueueDeadlines(110.0, 110.0)),
-        (ClientHints(Priority.NORMAL, 10.0, None), ServiceEstimate(0.5, 4.0), QueueDeadlines(106.0, 106.0)),
-        # Both headers: the first-token time is an objective, the whole-answer time the deadline.
-        (ClientHints(Priority.NORMAL, 10.0, 2.0), ServiceEstimate(0.5, 4.0), QueueDeadlines(106.0, 101.5)),
-        # A first-token time alone is where the client gives up: the deadline too.
-        (ClientHints(Priority.NORMAL, None, 2.0), ServiceEstimate(0.5, 4.0), QueueDeadlines(101.5, 101.5)),
-        # The objective never lies past the deadline.
-        (ClientHints(Priority.NORMAL, 3.0, 2.0), ServiceEstimate(0.5, 2.0), QueueDeadlines(101.0, 101.0)),
-        (ClientHints(Priority.NORMAL, 100.0, None), NO_SERVICE_ESTIMATE, QueueDeadlines(130.0, 130.0)),
+        (ClientHints(Priority.NORMAL, None, None), NO_SERVICE_ESTIMATE, 130.0),
+        (ClientHints(Priority.NORMAL, 10.0, None), NO_SERVICE_ESTIMATE, 110.0),
+        (ClientHints(Priority.NORMAL, 10.0, None), ServiceEstimate(0.5, 4.0), 106.0),
+        # Both headers: the client waits for its whole answer; the first-token time says
+        # nothing about when it gives up.
+        (ClientHints(Priority.NORMAL, 10.0, 2.0), ServiceEstimate(0.5, 4.0), 106.0),
+        # A first-token time alone is where the client gives up: the deadline.
+        (ClientHints(Priority.NORMAL, None, 2.0), ServiceEstimate(0.5, 4.0), 101.5),
+        # Never past the class's queue timeout.
+        (ClientHints(Priority.NORMAL, 100.0, None), NO_SERVICE_ESTIMATE, 130.0),
+        (ClientHints(Priority.NORMAL, None, 100.0), NO_SERVICE_ESTIMATE, 130.0),
     ],
 )
-def test_queue_deadlines(hints: ClientHints, service: ServiceEstimate, expected: QueueDeadlines) -> None:
-    got = queue_deadlines(100.0, hints, 30.0, service)
-    assert got.hard_at == pytest.approx(expected.hard_at)
-    assert got.objective_at == pytest.approx(expected.objective_at)
-
-
-def test_margin_scales_the_service_time() -> None:
-    hints = ClientHints(Priority.NORMAL, 10.0, None)
-    assert queue_deadlines(0.0, hints, INF, ServiceEstimate(1.0, 4.0), margin=0.5).hard_at == pytest.approx(
-        8.0
-    )
-    assert queue_deadlines(0.0, hints, INF, ServiceEstimate(1.0, 4.0), margin=0.0).hard_at == pytest.approx(
-        10.0
-    )
+def test_queue_deadline(hints: ClientHints, service: ServiceEstimate, expected: float) -> None:
+    assert queue_deadline(100.0, hints, 30.0, service) == pytest.approx(expected)

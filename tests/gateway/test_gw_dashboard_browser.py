@@ -228,7 +228,7 @@ def test_dashboard_shows_live_numbers_under_load(browser: WebDriver) -> None:
                 sim_url,
                 admin_token=ADMIN_TOKEN,
                 priority_token=PRIORITY_TOKEN,
-                queue_max_low=2,
+                priority_classes={"low": {"queue_max": 2}},
                 recent_requests=50,
             )
         )

@@ -60,9 +60,7 @@ async def test_streaming_chat_is_relayed_and_counted(inproc: InProcess) -> None:
 
 
 async def test_output_model_learns_and_shrinks_reservations() -> None:
-    async with gateway_over_sim(
-        output_min_samples=3, output_window_samples=10, output_quantile=0.5
-    ) as harness:
+    async with gateway_over_sim(output_min_samples=3, output_quantile=0.5) as harness:
         request = {**UNFORCED, "prompt": "x", "max_tokens": 100}
         cold = await harness.client.post("/v1/completions", json=request)
         assert cold.headers["x-kvgate-blocks"] == "4"  # no samples yet: the whole cap, 100 + prompt
@@ -97,35 +95,6 @@ async def test_a_gateway_started_before_a_busy_backend_reserves_what_its_answers
         state = (await harness.client.get("/admin/state")).json()
         [backend] = state["backends"]
         assert backend["output_model"]["backend_prior"] == {"tokens": 5, "samples": 3}
-        assert ledger_is_empty(harness.gateway)
-
-
-@pytest.mark.parametrize("pooling", [False, True])
-async def test_pooling_hands_the_learned_lengths_to_the_ledger(pooling: bool) -> None:
-    async with gateway_over_sim(
-        SimConfig(engine=SLOW_ENGINE),
-        output_pooling=pooling,
-        output_min_samples=3,
-        output_window_samples=10,
-    ) as harness:
-        request = {**UNFORCED, "prompt": "x"}
-        for tokens in (5, 5, 200):
-            assert (
-                await harness.client.post("/v1/completions", json={**request, "max_tokens": tokens})
-            ).is_success
-        pending = asyncio.create_task(
-            harness.client.post("/v1/completions", json={**request, "max_tokens": 400})
-        )
-        await wait_until(lambda: harness.gateway.ledger.totals().entries == 1)
-        [entry] = harness.gateway.ledger.entries()
-        # The lengths it was learned from travel with it when pooling is on.
-        assert (entry.outlook is not None) == pooling
-        if pooling:
-            assert entry.outlook is not None
-            assert len(entry.outlook) == 3
-        state = (await harness.client.get("/admin/state")).json()
-        assert "pooling_blocks" in state["backends"][0]["ledger"]
-        assert (await pending).status_code == 200
         assert ledger_is_empty(harness.gateway)
 
 
@@ -184,9 +153,52 @@ async def test_bad_hint_headers_and_oversized_bodies() -> None:
             "/v1/completions", json=COMPLETION, headers={"x-kvgate-priority": "now"}
         )
         assert (bad.status_code, bad.json()["error"]["param"]) == (400, "x-kvgate-priority")
+        told_nothing = await harness.client.post(
+            "/v1/completions", json=COMPLETION, headers={"x-kvgate-expected-output-tokens": "0"}
+        )
+        assert told_nothing.status_code == 400
+        assert told_nothing.json()["error"]["param"] == "x-kvgate-expected-output-tokens"
         huge = await harness.client.post("/v1/completions", json={**COMPLETION, "prompt": "x" * 5000})
         assert huge.status_code == 413
         assert huge.json()["error"]["code"] == "request_too_large"
+
+
+async def test_a_told_output_length_replaces_the_learned_one() -> None:
+    async with gateway_over_sim(SimConfig(engine=SLOW_ENGINE), output_min_samples=3) as harness:
+        request = {**UNFORCED, "prompt": "x", "max_tokens": 100}
+        for _ in range(3):  # answers run to their 100-token caps: learned
+            assert (await harness.client.post("/v1/completions", json=request)).is_success
+        learned = await harness.client.post("/v1/completions", json=request)
+        assert learned.headers["x-kvgate-blocks"] == "4"  # 100 + prompt tokens
+        # Told 5 tokens, it reserves one block; its answer outgrows that, completes and is
+        # learned like any other.
+        pending = asyncio.create_task(
+            harness.client.post(
+                "/v1/completions", json=request, headers={"x-kvgate-expected-output-tokens": "5"}
+            )
+        )
+        await wait_until(lambda: harness.gateway.ledger.totals().entries == 1)
+        [entry] = harness.gateway.ledger.entries()
+        assert entry.demand.expected_output_tokens == 5
+        [shown] = harness.gateway.describe()["backends"][0]["ledger"]["requests"]  # what /admin/state shows
+        assert (shown["expected_output_tokens"], shown["expected_output_source"]) == (5, "client")
+        told = await pending
+        assert told.status_code == 200
+        assert told.headers["x-kvgate-blocks"] == "1"
+        assert told.json()["usage"]["completion_tokens"] == 100
+        assert ledger_is_empty(harness.gateway)
+        assert harness.gateway.output_model.describe()["tiny-llama/completions"]["samples"] == 5
+
+
+async def test_the_openapi_document_lists_the_kvgate_headers(inproc: InProcess) -> None:
+    document = (await inproc.client.get("/openapi.json")).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        parameters = {p["name"]: p for p in document["paths"][path]["post"]["parameters"]}
+        assert {"x-kvgate-priority", "x-kvgate-deadline-ms", "x-kvgate-ttft-ms"} < set(parameters)
+        told = parameters["x-kvgate-expected-output-tokens"]
+        assert (told["in"], told["required"]) == ("header", False)
+        assert told["schema"] == {"type": "integer", "minimum": 1, "maximum": 10_000_000}
+        assert "max_tokens" in told["description"]
 
 
 async def test_models_health_readiness_and_unserved_paths(inproc: InProcess) -> None:
@@ -241,9 +253,10 @@ async def test_admin_token_is_required_when_set() -> None:
 
 
 async def test_requests_wait_for_blocks_and_leave_the_ledger_balanced() -> None:
-    # Each request needs 16 blocks at its cap (512 tokens): 3 fit in the 63-block pool at once.
+    # Each request needs 16 blocks at its cap (512 tokens): 3 fit in the 63-block pool at once
+    # (no overcommit: that the budget may grow past the pool is the next test's subject).
     slow = SimConfig(engine=SLOW_ENGINE)
-    async with gateway_over_sim(slow) as harness:
+    async with gateway_over_sim(slow, budget_overcommit=0.0) as harness:
         body = {**COMPLETION, "prompt": "y", "max_tokens": 500}
         responses = await asyncio.gather(
             *(harness.client.post("/v1/completions", json=body) for _ in range(6))
@@ -268,7 +281,6 @@ async def test_an_underused_pool_lets_more_in_than_the_reservations_say(overcomm
     async with gateway_over_sim(
         sim,
         budget_overcommit=overcommit,
-        aimd_quiet_s=0.0,
         aimd_increase_per_s=10.0,
         output_min_samples=1000,
         output_backend_prior=False,
@@ -293,8 +305,13 @@ async def test_an_underused_pool_lets_more_in_than_the_reservations_say(overcomm
         watcher.cancel()
         assert [r.status_code for r in responses] == [200] * 8
         snapshot = gateway.snapshot()
-        assert most == (4 if overcommit else 3)  # 4 x 19 = 76 blocks: 1.2 times the pool
-        assert snapshot.admissible_blocks == (94 if overcommit else 63)
+        if overcommit:
+            # 4 x 19 = 76 blocks: 1.2 times the pool; never past what the overcommit allows.
+            assert most >= 4
+            assert 63 < snapshot.admissible_blocks <= int(63 * (1 + overcommit))
+        else:
+            assert most == 3
+            assert snapshot.admissible_blocks == 63
         assert snapshot.pool_limit_blocks == 63
         assert harness.sim.runtime.state()["num_preemptions_total"] == 0
         assert ledger_is_empty(gateway)
@@ -302,7 +319,9 @@ async def test_an_underused_pool_lets_more_in_than_the_reservations_say(overcomm
 
 async def test_a_queued_request_keeps_its_predicted_wait_for_the_metric_and_the_log() -> None:
     slow = SimConfig(engine=SLOW_ENGINE)
-    async with gateway_over_sim(slow) as harness:
+    # A reading must not go stale during the round: a waiter that arrives while the budget is
+    # unknown is rightly given no prediction (a long collector pause in CI once did exactly that).
+    async with gateway_over_sim(slow, metrics_stale_after_s=5.0) as harness:
         gateway = harness.gateway
         body = {**COMPLETION, "prompt": "y", "max_tokens": 500}  # 16 blocks: 3 at once
         # Until blocks have been seen to free up, nobody's wait can be predicted.
@@ -330,7 +349,7 @@ async def test_a_queued_request_keeps_its_predicted_wait_for_the_metric_and_the_
 
 async def test_queue_full_and_deadlines_shed_with_retry_hints() -> None:
     slow = SimConfig(engine=SLOW_ENGINE)
-    async with gateway_over_sim(slow, queue_max_normal=1) as harness:
+    async with gateway_over_sim(slow, priority_classes={"normal": {"queue_max": 1}}) as harness:
         hog = {**COMPLETION, "prompt": "z", "max_tokens": 900}  # 29 blocks each: two leave 5 free
         medium = {**COMPLETION, "max_tokens": 200}  # 7 blocks: has to wait
         hogs = [asyncio.create_task(harness.client.post("/v1/completions", json=hog)) for _ in range(2)]

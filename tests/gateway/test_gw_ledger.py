@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import random
-from statistics import NormalDist
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from estimator.demand import BlockCost, Demand
-from gateway.ledger import (
-    REBALANCE_ON_CLOSE_MAX_ENTRIES,
-    InMemoryLedger,
-    LedgerEntry,
-    LedgerTotals,
-    projected_peak_blocks,
-    remaining_moments,
-)
-from gateway.output_model import OutputDistribution
+from gateway.ledger import InMemoryLedger, LedgerTotals
 
 COST = BlockCost(block_size=16)
 
@@ -94,6 +85,28 @@ def test_close_is_idempotent_and_reports_what_was_held() -> None:
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
 
 
+def test_the_split_counts_what_entries_are_certain_still_to_grow_into() -> None:
+    ledger = InMemoryLedger()
+    # 20 prompt tokens (2 blocks), a floor of 60 output tokens: certain to reach 5 blocks.
+    floored = Demand(
+        prompt_tokens=(20,),
+        max_output_tokens=100,
+        expected_output_tokens=60,
+        samples_per_prompt=1,
+        cost=COST,
+        floor_output_tokens=60,
+    )
+    ledger.open(1, floored, now=0.0)
+    ledger.open(2, demand(prompt=20, expected=60), now=5.0)  # no floor: nothing certain
+    assert ledger.held_split(settled_before=1.0).certain_growth_blocks == 3
+    ledger.grow(1, 0, 30)  # 50 tokens: 4 blocks held
+    assert ledger.held_split(settled_before=1.0).certain_growth_blocks == 1
+    ledger.grow(1, 0, 40)  # past the floor: nothing left to be certain of
+    assert ledger.held_split(settled_before=1.0).certain_growth_blocks == 0
+    with pytest.raises(ValueError, match="floor"):
+        replace(floored, floor_output_tokens=61)
+
+
 def test_double_open_is_refused() -> None:
     ledger = InMemoryLedger()
     ledger.open(1, demand(), now=0.0)
@@ -132,39 +145,29 @@ operations = st.lists(
 )
 
 
-# Output lengths some requests were learned from, for pooling.
-OUTLOOK = OutputDistribution([0, 3, 8, 20, 20, 45, 60, 90, 150, 199, 250])
-
-
-@pytest.mark.parametrize(
-    ("multiplex", "pooling"), [(False, False), (True, False), (False, True), (True, True)]
-)
 @settings(max_examples=300, deadline=None)
 @given(ops=operations)
-def test_ledger_returns_to_zero_after_any_interleaving(
-    multiplex: bool, pooling: bool, ops: list[tuple[str, int, int, int, int]]
-) -> None:
-    ledger = InMemoryLedger(multiplex=multiplex, pooling_z=1.28 if pooling else None)
+def test_ledger_returns_to_zero_after_any_interleaving(ops: list[tuple[str, int, int, int, int]]) -> None:
+    ledger = InMemoryLedger()
     open_keys: set[int] = set()
-    # Growth moves one request along without the others (in vLLM all decode together), so the
-    # projection holds from the next recomputation on: a close or a new credit.
-    grown_since_rebalance = False
     for step, (op, key, a, b, c) in enumerate(ops):
         if op == "open" and key not in open_keys:
-            outlook = OUTLOOK if pooling and key % 2 == 0 else None  # some requests have none
-            ledger.open(key, demand(prompt=a, expected=min(b, 200), cap=200, samples=c), float(step), outlook)
+            # Odd keys are answers sent whole: the ledger never sees them grow.
+            ledger.open(
+                key,
+                demand(prompt=a, expected=min(b, 200), cap=200, samples=c),
+                float(step),
+                streamed=key % 2 == 0,
+            )
             open_keys.add(key)
         elif op == "grow":
             ledger.grow(key, a, b)
-            grown_since_rebalance = grown_since_rebalance or (key in open_keys and b > 0)
         elif op == "close":
             closed = ledger.close(key)
             assert (closed is not None) == (key in open_keys)
             open_keys.discard(key)
-            grown_since_rebalance = grown_since_rebalance and closed is None
         elif op == "credit":
             ledger.set_credit(key / 100, settled_before=float(step) / 2)
-            grown_since_rebalance = False
         totals = ledger.totals()
         # Totals are exact sums over the open entries, and never negative.
         entries = list(ledger.entries())
@@ -172,172 +175,22 @@ def test_ledger_returns_to_zero_after_any_interleaving(
         assert totals.reserved_blocks == sum(e.reserved_blocks for e in entries)
         assert totals.held_blocks == sum(e.held_blocks for e in entries)
         assert totals.credit_blocks == sum(e.credit_blocks for e in entries)
+        assert totals.unseen_blocks == sum(
+            e.reserved_blocks - e.held_blocks for e in entries if not e.streamed
+        )
         # What the drain-rate projection reads, kept as a running sum rather than recomputed.
         assert ledger.remaining_output_tokens() == sum(
             max(1, e.demand.expected_output_tokens - e.longest_output) for e in entries
         )
         for entry in entries:
             assert 0 <= entry.credit_blocks <= entry.held_blocks <= entry.reserved_blocks
-        # Multiplexed, the commitment lies between the set's projected peak and the sum of
-        # its reservations (net of credit); pooled, between what the set holds and that sum;
-        # with neither, it is that sum.
-        net = totals.reserved_blocks - totals.credit_blocks
-        if multiplex or pooling:
-            assert totals.held_blocks - totals.credit_blocks <= totals.committed_blocks <= net
-            if multiplex and not pooling and not grown_since_rebalance:
-                assert brute_force_peak(entries) <= totals.committed_blocks
-        else:
-            assert totals.committed_blocks == net
-        if not pooling:
-            assert totals.pooling_blocks == 0
+            if entry.longest_output:
+                # What a grown entry reserves depends on its longest sequence alone, however
+                # its growth came (the ledger skips the computation when it cannot change).
+                peak = InMemoryLedger._reserved_for(entry.demand, entry.longest_output)
+                assert entry.reserved_blocks == max(entry.demand.reserved_blocks, peak)
+        assert totals.committed_blocks == totals.reserved_blocks - totals.credit_blocks
     for key in list(open_keys):
         ledger.close(key)
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
     assert ledger.remaining_output_tokens() == 0
-
-
-def brute_force_peak(entries: list[LedgerEntry]) -> int:
-    """The projected peak step by step: every entry grows one output token per step (per
-    sequence) up to its reservation and holds that until its end, then frees it."""
-    if not entries:
-        return 0
-    ends = [max(1, e.demand.expected_output_tokens - e.longest_output) for e in entries]
-    peak = 0
-    for step in range(max(ends) + 1):
-        total = 0
-        for entry, end in zip(entries, ends, strict=True):
-            if end < step:
-                continue
-            demand = entry.demand
-            grown = demand.blocks_at(min(entry.longest_output + step, demand.max_output_tokens))
-            held = entry.reserved_blocks if step >= end else min(entry.reserved_blocks, grown)
-            total += held - entry.credit_blocks
-        peak = max(peak, total)
-    return peak
-
-
-def test_the_projected_peak_is_where_requests_end_not_the_sum_of_their_peaks() -> None:
-    ledger = InMemoryLedger(multiplex=True)
-    # 16-token blocks. One request ends in 10 steps at 12 blocks (150 of 160 tokens streamed:
-    # its reservation now covers a block ahead); one just began and reaches 11 at its end.
-    ledger.open(1, demand(prompt=16, expected=160, cap=512), now=0.0)
-    ledger.grow(1, 0, 150)
-    ledger.open(2, demand(prompt=16, expected=160, cap=512), now=0.0)
-    assert ledger.totals().committed_blocks == 23  # until rebalanced: the sum of the peaks
-    ledger.rebalance()
-    # The peak is at the first one's end: its 12 blocks plus the 2 the other holds by then.
-    assert ledger.totals().committed_blocks == 12 + 2 == projected_peak_blocks(list(ledger.entries()))
-    ledger.close(1)  # few in flight: a close recomputes at once
-    assert ledger.totals().committed_blocks == 11
-    assert InMemoryLedger().totals().multiplex_blocks == 0
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(0, 250), st.integers(1, 3)),
-        min_size=1,
-        max_size=12,
-    ),
-    st.integers(1, 4),
-)
-def test_the_projected_peak_never_falls_below_the_step_by_step_peak(
-    requests: list[tuple[int, int, int, int]], breakpoints: int
-) -> None:
-    ledger = InMemoryLedger()
-    for key, (prompt, expected, streamed, samples) in enumerate(requests):
-        ledger.open(key, demand(prompt=prompt, expected=expected, cap=200, samples=samples), now=0.0)
-        ledger.grow(key, 0, streamed)
-    entries = list(ledger.entries())
-    exact = brute_force_peak(entries)
-    assert projected_peak_blocks(entries) == exact  # few distinct ends: evaluated at each
-    thinned = projected_peak_blocks(entries, breakpoints)
-    assert exact <= thinned <= sum(e.reserved_blocks - e.credit_blocks for e in entries)
-
-
-def test_remaining_moments_follow_the_outlook_given_the_progress() -> None:
-    outlook = OutputDistribution([16, 32, 48, 64, 400])
-    ledger = InMemoryLedger(pooling_z=1.0)
-    # 16-token blocks. Two sequences; the shortest decides how far the request is.
-    entry = ledger.open(1, demand(prompt=16, expected=48, cap=100, samples=2), 0.0, outlook)
-    ledger.grow(1, 0, 40)
-    ledger.grow(1, 1, 20)
-    mean, variance = remaining_moments(entry)
-    # Beyond 20 tokens: 32, 48, 64 and 400 cut at the cap of 100 -> 12, 28, 44, 80 to come.
-    to_come = [12, 28, 44, 80]
-    expected_mean = sum(to_come) / 4
-    expected_variance = sum((v - expected_mean) ** 2 for v in to_come) / 4
-    assert mean == pytest.approx(2 * (expected_mean / 16 + 1))
-    assert variance == pytest.approx((2 / 16) ** 2 * expected_variance)
-    # Beyond every length observed, or without an outlook: the reservation as it is.
-    ledger.grow(1, 1, 90)
-    ledger.grow(1, 0, 90)
-    assert remaining_moments(entry) == (entry.reserved_blocks - entry.held_blocks, 0.0)
-    plain = ledger.open(2, demand(), 0.0)
-    assert remaining_moments(plain) == (plain.reserved_blocks - plain.held_blocks, 0.0)
-
-
-def test_pooling_commits_the_quantile_of_the_sum_not_the_sum_of_quantiles() -> None:
-    # Heavy-tailed answers, as chat traffic has: most short, some long, cut at the cap.
-    rng = random.Random(7)
-    cap = 512
-    lengths = [min(cap, int(rng.lognormvariate(4.0, 1.0))) for _ in range(1000)]
-    outlook = OutputDistribution(lengths)
-    quantile = 0.9
-    p90 = sorted(lengths)[int(quantile * len(lengths)) - 1]
-    ledger = InMemoryLedger(pooling_z=NormalDist().inv_cdf(quantile))
-    requests = 16
-    progress = [rng.choice([0, 0, 10, 40, 100]) for _ in range(requests)]
-    for key, produced in enumerate(progress):
-        ledger.open(key, demand(prompt=64, expected=p90, cap=cap), 0.0, outlook)
-        ledger.grow(key, 0, produced)
-    ledger.rebalance()
-    totals = ledger.totals()
-    committed = totals.committed_blocks
-    assert totals.pooling_blocks > 0
-    # Sixteen at once: a fifth or more of the output still to come is not committed.
-    assert totals.pooling_blocks >= 0.2 * (totals.reserved_blocks - totals.held_blocks)
-
-    # Draw how long each request will really run, from the same lengths, given its progress:
-    # the blocks they hold at their ends together exceed the commitment about one time in ten.
-    entries = list(ledger.entries())
-    trials = 4000
-    exceeded = 0
-    for _ in range(trials):
-        total = 0
-        for entry, produced in zip(entries, progress, strict=True):
-            final = rng.choice([length for length in lengths if length > produced] or [produced])
-            total += entry.demand.blocks_at(min(final, cap))
-        exceeded += total > committed
-    assert exceeded / trials <= 1 - quantile + 0.03
-
-    # One request alone gains little: its own quantile is near what the pool commits.
-    single = InMemoryLedger(pooling_z=NormalDist().inv_cdf(quantile))
-    single.open(0, demand(prompt=64, expected=p90, cap=cap), 0.0, outlook)
-    single.rebalance()
-    assert single.totals().committed_blocks >= 0.85 * single.totals().reserved_blocks
-    # Closing entries recomputes what the rest commit, down to nothing.
-    for key in range(requests):
-        ledger.close(key)
-    assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
-
-
-@pytest.mark.parametrize(("multiplex", "pooling"), [(True, False), (False, True), (True, True)])
-def test_with_many_in_flight_a_close_never_commits_less_than_a_recomputation(
-    multiplex: bool, pooling: bool
-) -> None:
-    # Beyond REBALANCE_ON_CLOSE_MAX_ENTRIES a close does not recompute: it must stay on the
-    # safe side of what the next scrape's recomputation will find.
-    rng = random.Random(3)
-    ledger = InMemoryLedger(multiplex=multiplex, pooling_z=1.28 if pooling else None)
-    for key in range(REBALANCE_ON_CLOSE_MAX_ENTRIES + 20):
-        ledger.open(key, demand(prompt=rng.randint(1, 100), expected=150, cap=200), 0.0, OUTLOOK)
-        ledger.grow(key, 0, rng.randint(0, 30))
-    ledger.rebalance()
-    totals = ledger.totals()
-    assert max(totals.multiplex_blocks, totals.pooling_blocks) > 0  # there is a discount to keep
-    for key in rng.sample(range(REBALANCE_ON_CLOSE_MAX_ENTRIES + 20), 15):
-        ledger.close(key)
-        kept = ledger.totals().committed_blocks
-        ledger.rebalance()
-        assert kept >= ledger.totals().committed_blocks

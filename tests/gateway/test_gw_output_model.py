@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.output_model import (
-    OutputDistribution,
     OutputKey,
     OutputLengthModel,
+    OutputPrediction,
     PredictionSource,
     quantile_from_buckets,
 )
@@ -102,43 +102,6 @@ def test_prediction_is_an_observed_value_within_the_cap(
     assert tokens == cap or tokens in lengths[-50:]
 
 
-@given(st.lists(st.integers(0, 2_000), min_size=1, max_size=60), st.integers(0, 2_100), st.integers(1, 2_100))
-def test_remaining_output_moments_match_a_direct_count(lengths: list[int], produced: int, cap: int) -> None:
-    moments = OutputDistribution(lengths).remaining(produced, cap)
-    # Directly: the lengths beyond what was produced, each cut at the cap, less what was produced.
-    to_come = [min(length, cap) - produced for length in lengths if length > produced]
-    if produced >= cap or not to_come:
-        assert moments is None
-        return
-    assert moments is not None
-    mean = sum(to_come) / len(to_come)
-    variance = sum((value - mean) ** 2 for value in to_come) / len(to_come)
-    assert moments[0] == pytest.approx(mean)
-    assert moments[1] == pytest.approx(variance, abs=1e-6 * max(1.0, mean * mean))
-
-
-def test_distribution_follows_the_window_and_is_rebuilt_only_after_enough_change() -> None:
-    m = OutputLengthModel(quantile=0.9, min_samples=2, window=128)
-    m.observe(CHAT, 10)
-    assert m.distribution(CHAT) is None  # cold: predict answers the cap, nothing to pool
-    for _ in range(127):
-        m.observe(CHAT, 10)
-    first = m.distribution(CHAT)
-    assert first is not None
-    assert first.remaining(0, 1000) == (10.0, 0.0)
-    m.observe(CHAT, 1000)  # one change in 128: not yet worth a rebuild (128 // 64 = 2)
-    assert m.distribution(CHAT) is first
-    m.observe(CHAT, 1000)
-    rebuilt = m.distribution(CHAT)
-    assert rebuilt is not first
-    assert len(rebuilt) == 128
-    mean, variance = rebuilt.remaining(0, 1000)
-    assert mean == pytest.approx((126 * 10 + 2 * 1000) / 128)
-    assert variance > 0
-    # A coarser key answers when the specific one has too few samples, as predict does.
-    assert m.distribution(OutputKey("m", "chat", "tenant-a")) is rebuilt
-
-
 BUSY = ((1.0, 235.0), (2.0, 246.0), (5.0, 250.0), (50.0, 303.0), (500.0, 311.0), (float("inf"), 311.0))
 
 
@@ -182,3 +145,31 @@ def test_a_histogram_that_no_longer_says_enough_leaves_the_cap() -> None:
     m.observe_backend(())  # vLLM restarted, or stopped exporting it
     prediction = m.predict(CHAT, cap=512)
     assert (prediction.tokens, prediction.source) == (512, PredictionSource.COLD)
+
+
+def test_typical_is_the_median_behind_a_learned_reservation_and_nothing_when_cold() -> None:
+    m = model(min_samples=5, window=10)
+    cold = m.predict(CHAT, cap=512)
+    assert m.typical(cold, CHAT, 512) == 0  # the cap says nothing of when an answer ends
+    for tokens in (10, 20, 30, 40, 400):
+        m.observe(CHAT, tokens)
+    learned = m.predict(CHAT, cap=512)
+    assert (learned.source, learned.tokens) == (PredictionSource.LEARNED, 400)  # the p90 reserves
+    assert m.typical(learned, CHAT, 512) == 30  # the median predicts the end
+    assert m.typical(learned, CHAT, 25) == 25  # within the cap
+    # A coarser key's prediction is answered from that key's window.
+    tenant = OutputKey("m", "chat", "t")
+    assert m.typical(m.predict(tenant, cap=512), tenant, 512) == 30
+    # Told and floor lengths are known: they are their own typical length.
+    told = OutputPrediction(7, PredictionSource.CLIENT, 0, None)
+    assert m.typical(told, CHAT, 512) == 7
+    assert m.typical(OutputPrediction(64, PredictionSource.FLOOR, 0, None), CHAT, 512) == 64
+
+
+def test_typical_from_the_backend_histogram_is_its_median() -> None:
+    m = model(min_samples=5)
+    # 10 answers: 6 of at most 10 tokens, 3 more of at most 100, 1 of at most 500.
+    m.observe_backend(((10.0, 6.0), (100.0, 9.0), (500.0, 10.0), (float("inf"), 10.0)))
+    prior = m.predict(CHAT, cap=512)
+    assert (prior.source, prior.tokens) == (PredictionSource.BACKEND, 100)
+    assert m.typical(prior, CHAT, 512) == 10

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from estimator.demand import BlockCost, Demand
-from gateway.admission import Ask, Priority
 from gateway.client_hints import ServiceEstimate
 from gateway.ledger import InMemoryLedger
 from gateway.pace import CLIENT_PACED_SHARE, BackendPace
@@ -203,42 +202,11 @@ def test_a_stream_within_the_share_is_learned_less_its_wait() -> None:
     assert pace.seconds_per_output_token.value == pytest.approx((10.0 - wait_s) / 100)
 
 
-def ask(now: float, *, deadline_s: float, objective_s: float, blocks: int = 3) -> Ask:
-    return Ask(
-        reserve_blocks=blocks,
-        max_blocks=blocks,
-        priority=Priority.NORMAL,
-        arrived_at=now,
-        deadline_at=now + deadline_s,
-        objective_at=now + objective_s,
-    )
-
-
-def test_beyond_capacity_needs_a_rate_an_overload_and_an_objective_before_the_deadline() -> None:
-    ledger = InMemoryLedger()
-    queue = Queue()
-    pace = make_pace(ledger, queue)
-    assert not pace.beyond_capacity(ask(0.0, deadline_s=1.0, objective_s=0.5, blocks=1000), 0.0)
-    assert pace.plain_queue_wait(0.0) is None  # no rate: no wait can be told
-    queue.waiting = True
-    serve_one_request_a_second(ledger, pace, 0.0, 10)
-    rate = pace.capacity_rate(10.0)
-    assert rate is not None
-    # 30 blocks offered at once take 30 / rate (about 7.5 s) to drain: past a 5 s deadline,
-    # but the request's first-token time is no objective (it is the deadline).
-    assert not pace.beyond_capacity(ask(10.0, deadline_s=5.0, objective_s=5.0, blocks=30), 10.0)
-    assert pace.plain_queue_wait(10.0) == pytest.approx(30 / rate)
-    assert pace.beyond_capacity(ask(10.0, deadline_s=5.0, objective_s=2.0), 10.0)
-    # Within the deadline of a patient client, the same backlog is a burst to absorb.
-    assert not pace.beyond_capacity(ask(10.0, deadline_s=60.0, objective_s=2.0), 10.0)
-
-
 def test_describe_reports_none_for_what_is_not_measured() -> None:
     pace = make_pace(InMemoryLedger())
     assert pace.describe(0.0) == {
         "drain_rate_blocks_per_s": None,
         "saturated_drain_rate_blocks_per_s": None,
-        "plain_queue_wait_s": None,
         "first_token_after_admit_s": None,
         "seconds_per_output_token": None,
     }

@@ -311,6 +311,34 @@ async def test_the_time_blocked_writing_to_the_client_is_measured() -> None:
     assert result.code is None
 
 
+async def test_a_write_that_never_waits_is_not_the_clients_time() -> None:
+    # As when another thread holds the GIL: the write is slow but never gives the loop a turn.
+    async def send(message: dict[str, Any]) -> None:
+        time.sleep(0.01)  # noqa: ASYNC251 (the point: a write that holds the loop)
+
+    outcome, result = await relay(ScriptedResponse([EVENT, EVENT, EVENT], SSE), send)
+    assert outcome is Outcome.COMPLETED
+    assert result.client_wait_s == 0.0
+
+
+async def test_a_write_that_waits_gets_what_the_server_hands_back_and_its_errors() -> None:
+    # The relay runs a write's first step itself; the rest must still behave as an await.
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message["body"]:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            if len(sent) == 2:
+                raise ConnectionResetError("the client went away")
+            sent.append(message["body"])
+
+    outcome, result = await relay(ScriptedResponse([EVENT] * 5, SSE), send)
+    assert outcome is Outcome.CLIENT_GONE
+    assert sent == [EVENT, EVENT]
+    assert result.client_wait_s > 0.0
+
+
 async def test_a_write_blocked_past_the_timeout_ends_the_relay_once() -> None:
     blocked = asyncio.Event()
 

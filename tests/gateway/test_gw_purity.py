@@ -26,7 +26,9 @@ PURE_GATEWAY_MODULES = (
     "gateway.output_model",
     "gateway.pace",
     "gateway.recent",
+    "gateway.routing",
     "gateway.rates",
+    "gateway.shared_view",
     "gateway.sse",
     "gateway.vllm_metrics",
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.rates import BusyClock, DecayingRate, Ewma, VirtualBacklog, WaitCalibration
+from gateway.rates import BusyClock, DecayingRate, Ewma, WaitCalibration
 
 
 def test_rate_is_unknown_until_warm() -> None:
@@ -66,85 +66,6 @@ def test_busy_clock(steps: list[tuple[float, bool]], expected: float) -> None:
     for now, busy in steps:
         busy_s = clock.advance(now, busy)
     assert busy_s == expected
-
-
-def test_a_backlog_within_the_deadline_is_a_burst_and_drains() -> None:
-    backlog = VirtualBacklog()
-    # 10 blocks/s; 50 blocks arrive at once: the last waits 5 s, inside a 10 s budget.
-    assert not any(backlog.offer(10, 0.0, 10.0, 10.0) for _ in range(5))
-    assert backlog.wait_s(0.0, 10.0) == pytest.approx(5.0)
-    assert backlog.wait_s(2.0, 10.0) == pytest.approx(3.0)
-    assert backlog.wait_s(9.0, 10.0) == 0.0
-
-
-def test_sustained_overload_is_beyond_capacity_and_forgotten_after_a_deadline() -> None:
-    backlog = VirtualBacklog(cap_factor=1.25)
-    # Three times what drains (30 blocks/s offered, 10 freed): a plain queue passes a 4 s
-    # deadline after 2 s, and stays past it while the load lasts.
-    verdicts = [backlog.offer(3, i / 10, 10.0, 4.0) for i in range(100)]
-    first_beyond = verdicts.index(True)
-    assert 18 <= first_beyond <= 22
-    assert all(verdicts[first_beyond:])
-    # Capped at 1.25 deadlines' worth (plus the arrival): the memory of the overload is bounded...
-    assert backlog.wait_s(9.9, 10.0) <= 1.25 * 4.0 + 0.3 + 1e-9
-    # ... so once the load falls back to a burst's size, it is forgotten within seconds.
-    assert backlog.offer(3, 20.0, 10.0, 4.0) is False
-
-
-def test_a_share_of_the_deadline_turns_strict_sooner_and_keeps_the_memory() -> None:
-    # The same 3x overload against a 4 s deadline: with share 0.5 the plain wait passes 2 s after
-    # about 1 s instead of 2 s.
-    half = VirtualBacklog(cap_factor=1.25, share=0.5)
-    verdicts = [half.offer(3, i / 10, 10.0, 4.0) for i in range(100)]
-    assert 8 <= verdicts.index(True) <= 12
-    assert all(verdicts[verdicts.index(True) :])
-    # The cap still follows the whole deadline, not the share.
-    assert half.wait_s(9.9, 10.0) > 0.5 * 4.0 * 1.25
-    # A burst worth 3 s of draining is beyond half of a 4 s budget, within the whole of it.
-    whole, half = VirtualBacklog(), VirtualBacklog(share=0.5)
-    assert [whole.offer(30, 0.0, 10.0, 4.0) for _ in range(1)] == [False]
-    assert [half.offer(30, 0.0, 10.0, 4.0) for _ in range(1)] == [True]
-
-
-def test_a_past_deadline_is_beyond_and_the_parameters_are_checked() -> None:
-    assert VirtualBacklog().offer(1, 0.0, 10.0, 0.0) is True
-    with pytest.raises(ValueError, match="at least 1"):
-        VirtualBacklog(cap_factor=0.5)
-    for share in (0.0, 1.5):
-        with pytest.raises(ValueError, match="share"):
-            VirtualBacklog(share=share)
-
-
-def test_the_load_factor_projects_the_wait_and_turns_strict_sooner() -> None:
-    # 10 blocks/s drain, a 10 s deadline. Three times that offered (30 blocks/s): a plain
-    # queue passes the deadline after about 5 s. Looking ahead over 1 s, the load factor of
-    # about 3 projects the same after under 2 s, once the load is measured.
-    plain, ahead = VirtualBacklog(), VirtualBacklog(arrival_horizon_s=1.0)
-    plain_verdicts = [plain.offer(3, i / 10, 10.0, 10.0) for i in range(100)]
-    ahead_verdicts = [ahead.offer(3, i / 10, 10.0, 10.0) for i in range(100)]
-    assert 48 <= plain_verdicts.index(True) <= 52
-    assert 11 <= ahead_verdicts.index(True) <= 20
-    assert all(ahead_verdicts[ahead_verdicts.index(True) :])
-    assert ahead.load(10.0, 10.0) == pytest.approx(3.0, rel=0.1)
-
-
-def test_a_load_the_backend_keeps_up_with_is_judged_by_the_plain_wait() -> None:
-    # A 6 s backlog arrives at once, then a load at the drain rate (10 blocks/s each way): the
-    # backlog neither grows nor shrinks, so its wait stays within the 10 s deadline. The burst
-    # itself counts as a load of six for about a horizon (it may be the start of an overload);
-    # after a few horizons only the steady load counts, and nothing is beyond.
-    backlog = VirtualBacklog(arrival_horizon_s=1.0)
-    backlog.offer(60, 0.0, 10.0, 10.0)
-    verdicts = [backlog.offer(1, i / 10, 10.0, 10.0) for i in range(1, 100)]
-    assert any(verdicts[:20])
-    assert not any(verdicts[30:])
-    assert backlog.load(9.9, 10.0) == pytest.approx(1.0, rel=0.15)
-    # A falling load never makes it laxer than the plain wait: past the deadline is beyond.
-    assert backlog.offer(100, 10.0, 10.0, 10.0) is True
-    # Without look ahead the load is not measured at all.
-    assert VirtualBacklog().load(0.0, 10.0) == 0.0
-    with pytest.raises(ValueError, match="arrival_horizon_s"):
-        VirtualBacklog(arrival_horizon_s=-1.0)
 
 
 def test_wait_calibration_learns_a_factor_per_size_class() -> None:

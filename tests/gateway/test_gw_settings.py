@@ -30,28 +30,28 @@ def test_defaults_need_only_a_backend() -> None:
     settings = load_settings({"backend_url": "http://127.0.0.1:8000/"})
     assert settings.backend_url == "http://127.0.0.1:8000"
     assert settings.metrics_poll_interval_s == DEFAULT_METRICS_POLL_INTERVAL_S
-    assert settings.queue_max()[Priority.LOW] == settings.queue_max_low
+    assert settings.queue_max()[Priority.LOW] == settings.priority_classes[Priority.LOW].queue_max
 
 
 def test_flags_beat_environment_beats_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "kvgate.toml"
     config.write_text(
-        'backend_url = "http://file:1"\nport = 1111\nhol_max_bypass = 3\noutput_quantile = 0.5\n'
+        'backend_url = "http://file:1"\nport = 1111\nhol_deadline_share = 0.3\noutput_quantile = 0.5\n'
     )
     monkeypatch.setenv("KVGATE_PORT", "2222")
-    monkeypatch.setenv("KVGATE_HOL_MAX_BYPASS", "4")
-    settings = load_settings({"hol_max_bypass": 5, "model": None}, config_file=config)
+    monkeypatch.setenv("KVGATE_HOL_DEADLINE_SHARE", "0.4")
+    settings = load_settings({"hol_deadline_share": 0.2, "model": None}, config_file=config)
     assert settings.backend_url == "http://file:1"  # file only
     assert settings.output_quantile == 0.5  # file only
     assert settings.port == 2222  # environment over file
-    assert settings.hol_max_bypass == 5  # flag over environment
+    assert settings.hol_deadline_share == 0.2  # flag over environment
     assert settings.model is None  # an absent flag (None) overrides nothing
 
 
 def test_json_file_and_serve_table(tmp_path: Path) -> None:
     as_json = tmp_path / "kvgate.json"
-    as_json.write_text(json.dumps({"backend_url": "http://json:1", "early_shed": False}))
-    assert load_settings(config_file=as_json).early_shed is False
+    as_json.write_text(json.dumps({"backend_url": "http://json:1", "output_backend_prior": False}))
+    assert load_settings(config_file=as_json).output_backend_prior is False
     as_toml = tmp_path / "nested.toml"
     as_toml.write_text('[serve]\nbackend_url = "http://toml:1"\n')
     assert load_settings(config_file=as_toml).backend_url == "http://toml:1"
@@ -98,13 +98,54 @@ def test_cross_field_problems_are_reported_together() -> None:
         Settings(
             backend_url="http://x:1",
             budget_min_fraction=0.9,
-            budget_initial_fraction=0.5,
-            output_min_samples=50,
-            output_window_samples=10,
+            budget_max_fraction=0.5,
+            metrics_poll_interval_s=2.0,
+            metrics_stale_after_s=1.0,
         )
     message = str(error.value)
     assert "budget_min_fraction" in message
-    assert "output_window_samples" in message
+    assert "metrics_stale_after_s" in message
+
+
+@pytest.mark.parametrize(
+    ("source", "value"),
+    [
+        ("flag", '{"low": {"queue_max": 3}}'),
+        ("env", '{"low": {"queue_max": 3}}'),
+        ("file", None),
+    ],
+)
+def test_a_partial_class_table_keeps_the_other_classes_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, value: str | None
+) -> None:
+    overrides: dict[str, object] = {"backend_url": "http://x:1"}
+    config = None
+    if source == "flag":
+        overrides["priority_classes"] = value
+    elif source == "env":
+        monkeypatch.setenv("KVGATE_PRIORITY_CLASSES", str(value))
+    else:
+        config = tmp_path / "kvgate.toml"
+        config.write_text("[priority_classes.low]\nqueue_max = 3\n")
+    settings = load_settings(overrides, config_file=config)
+    assert settings.queue_max() == {Priority.HIGH: 256, Priority.NORMAL: 256, Priority.LOW: 3}
+    assert settings.queue_timeout_s()[Priority.LOW] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ('{"urgent": {"queue_max": 3}}', "priority_classes.urgent"),
+        ('{"low": {"queue_max": -1}}', "priority_classes.low.queue_max"),
+        ('{"low": {"queue_size": 3}}', "priority_classes.low.queue_size"),
+        ("[1, 2]", "table of classes"),
+        ("{not json", "JSON"),
+    ],
+)
+def test_a_bad_class_table_is_refused_with_its_place(value: str, problem: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        load_settings({"backend_url": "http://x:1", "priority_classes": value})
+    assert problem in str(error.value)
 
 
 def test_secrets_are_masked_in_the_public_view() -> None:

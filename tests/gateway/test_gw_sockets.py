@@ -143,7 +143,7 @@ def test_backend_down_is_reported_and_served_again_when_back() -> None:
 
 def test_openai_client_streams_and_retries_after_429(sim: SimServer) -> None:
     with (
-        served_gateway(sim.url, queue_max_normal=0, retry_after_min_s=0.1) as kvgate,
+        served_gateway(sim.url, priority_classes={"normal": {"queue_max": 0}}) as kvgate,
         ThreadPoolExecutor(3) as pool,
         openai.OpenAI(base_url=f"{kvgate.url}/v1", api_key="unused", max_retries=10, timeout=30) as client,
     ):

@@ -180,3 +180,13 @@ def test_invented_choice_indices_do_not_grow_the_tally() -> None:
     for index in (10**9, -5, True, 2**70):
         tally.feed(event({"choices": [{"index": index, "text": "a"}]}))
     assert tally.tokens_by_choice == {MAX_CHOICE_INDEX: 2, 0: 2}
+
+
+def test_a_deeply_nested_event_is_skipped_not_raised() -> None:
+    # A hostile backend: one event nested far past the parser's recursion limit, within the
+    # event size bound. It is no count (skipped); the events around it still count.
+    nested = b"data: " + b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}\n\n"
+    tally = StreamTally()
+    text = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
+    growth = tally.feed(text + nested + text)
+    assert sum(tokens for _, tokens in growth) == 2

@@ -17,7 +17,7 @@ import pytest
 import uvloop
 from conftest import wait_until
 
-from gateway.errors import UpstreamError, UpstreamTimeoutError
+from gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from gateway.upstream import (
     HttpUpstream,
     HttpxUpstream,
@@ -476,6 +476,45 @@ async def test_deadlines_for_the_head_and_for_body_bytes() -> None:
             await hung_up.wait()
 
 
+async def test_a_read_times_out_at_its_own_deadline_not_an_earlier_reads() -> None:
+    # One timer serves every read of a connection: it fires at the first deadline, finds the
+    # waiting read's deadline later, and waits again; a read past its deadline still ends.
+    loop = asyncio.get_running_loop()
+    send_next = asyncio.Queue[bytes]()
+
+    async def on_demand(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Scripted, n: int
+    ) -> None:
+        await read_request(reader, server)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        while part := await send_next.get():
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with scripted(on_demand) as server:
+        upstream = pool(server.url)
+        answer = await upstream.send(POST, deadline=loop.time() + 5)
+        send_next.put_nowait(b"one")
+        assert await answer.receive(loop.time() + 0.05) == b"one"
+        slow = loop.call_later(0.2, send_next.put_nowait, b"two")  # past the first read's deadline
+        assert await answer.receive(loop.time() + 3600) == b"two"
+        slow.cancel()
+        # Not the hour of the read before: the guard would end this one first.
+        async with asyncio.timeout(10):
+            with pytest.raises(TimeoutError):
+                await answer.receive(loop.time() + 0.1)
+        send_next.put_nowait(b"three")
+        assert await answer.receive(loop.time() + 5) == b"three"
+        send_next.put_nowait(b"")
+        assert await answer.receive(loop.time() + 5) == b""
+        await answer.aclose()
+        assert upstream.idle_connections == 1
+        await upstream.aclose()
+
+
 # -- timeouts and the pool's limit ------------------------------------------------------------
 
 
@@ -615,7 +654,7 @@ async def test_httpx_adapter_wraps_transport_errors() -> None:
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(fail)) as client:
         upstream = HttpxUpstream(client, "http://backend")
-        with pytest.raises(UpstreamError, match="cannot reach") as refused:
+        with pytest.raises(UpstreamConnectError, match="cannot connect") as refused:
             await upstream.send(POST)
         assert not isinstance(refused.value, UpstreamTimeoutError)
         with pytest.raises(UpstreamTimeoutError):

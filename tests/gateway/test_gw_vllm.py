@@ -41,7 +41,7 @@ def kvgate(vllm_url: str) -> Iterator[Served]:
         discover_tokenizer=True,
         metrics_poll_interval_s=0.1,
         output_backend_prior=False,
-        queue_timeout_normal_s=300.0,
+        priority_classes={"normal": {"queue_timeout_s": 300.0}},
     ) as served:
         yield served
 
@@ -279,102 +279,6 @@ def sampling_budget(kvgate: Served, pool: ThreadPoolExecutor) -> Iterator[list[B
         watcher.result()
 
 
-def test_multiplexing_runs_requests_whose_peaks_do_not_meet(vllm_url: str) -> None:
-    # 32-token blocks, 63 in the pool. A and B take 30 blocks at their ends (5 + 940 tokens),
-    # C 20 (5 + 620): 80 at their peaks, more than the pool. B and C come when A is near its
-    # end, so A's peak meets only their first few blocks: together they never need more than
-    # about 35 blocks, and with multiplexing all three run at once.
-    wait_vllm_idle(vllm_url)
-    before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
-    with (
-        served_gateway(
-            vllm_url,
-            discover_tokenizer=True,
-            metrics_poll_interval_s=0.1,
-            kv_multiplexing=True,
-            output_min_samples=1000,  # reserve every cap: the lengths are what this test sets
-            output_backend_prior=False,
-        ) as kvgate,
-        ThreadPoolExecutor(4) as pool,
-    ):
-
-        def send(max_tokens: int) -> httpx.Response:
-            body = {"model": MODEL, "prompt": "Once upon a", "max_tokens": max_tokens, "ignore_eos": True}
-            return httpx.post(f"{kvgate.url}/v1/completions", json={**body, "stream": True}, timeout=180)
-
-        with sampling_budget(kvgate, pool) as samples:
-            first = pool.submit(send, 940)
-            kvgate.wait_until(
-                lambda gw: any(entry.longest_output >= 860 for entry in gw.ledger.entries()),
-                timeout_s=120,
-                what="the first request to near its end",
-            )
-            second = pool.submit(send, 940)
-            kvgate.wait_until(
-                lambda gw: gw.ledger.totals().entries == 2, timeout_s=10, what="the second admitted"
-            )
-            third = pool.submit(send, 620)
-            responses = [future.result() for future in (first, second, third)]
-    assert [r.status_code for r in responses] == [200] * 3
-    together = [sample for sample in samples if sample[0] == 3]
-    assert together, "the third request waited for the first to end"
-    assert max(reserved for _, reserved, _, _ in together) > together[0][3]  # beyond the pool at peaks
-    assert all(committed <= admissible for _, _, committed, admissible in samples)
-    assert vllm_gauge(vllm_url, "vllm:num_preemptions_total") - before == 0
-
-
-def test_pooling_runs_together_what_the_quantiles_would_not(vllm_url: str) -> None:
-    # 32-token blocks, 63 in the pool. The gateway learns answers of 60 tokens six times in
-    # eight and 600 twice: the p90 it reserves is 600 tokens, 19 blocks a request, and three
-    # such reservations fill the pool. Four requests that will answer 60, 60, 60 and 600
-    # (25 blocks at their ends together) then come at once. Pooled, the p90 of their sum is
-    # about 51 blocks, and all four run together, without a preemption.
-    wait_vllm_idle(vllm_url)
-    before = vllm_gauge(vllm_url, "vllm:num_preemptions_total")
-    with (
-        served_gateway(
-            vllm_url,
-            discover_tokenizer=True,
-            metrics_poll_interval_s=0.1,
-            output_pooling=True,
-            output_min_samples=8,
-            output_window_samples=8,
-            output_backend_prior=False,  # learn from the cap up: what earlier tests sent is not this
-        ) as kvgate,
-        ThreadPoolExecutor(8) as pool,
-    ):
-
-        def send(length: int) -> httpx.Response:
-            body = {
-                "model": MODEL,
-                "prompt": "Once upon a",
-                "max_tokens": 600,
-                # The answer's length, forced as the bench forces it, by a field kvgate never
-                # reads (min_tokens would tell kvgate the answer: it reserves that floor).
-                "vllm_xargs": {OUTPUT_TOKENS_FIELD: length},
-                "stream": True,
-            }
-            return httpx.post(f"{kvgate.url}/v1/completions", json=body, timeout=180)
-
-        learned = list(pool.map(send, [60] * 6 + [600] * 2))
-        assert [r.status_code for r in learned] == [200] * 8
-        kvgate.wait_until(ledger_is_empty, what="the learning requests to finish")
-
-        with sampling_budget(kvgate, pool) as samples:
-            burst = list(pool.map(send, [600, 60, 60, 60]))
-        lengths = [
-            sum(1 for event in sse_payloads(r.text) if event != "[DONE]" and event["choices"][0]["text"])
-            for r in burst
-        ]
-    assert [r.status_code for r in burst] == [200] * 4
-    assert lengths[0] > lengths[1]  # the lengths were forced: one long answer, three short
-    together = [sample for sample in samples if sample[0] == 4]
-    assert together, "the four requests never ran at once"
-    assert max(reserved for _, reserved, _, _ in together) > together[0][3]  # beyond the pool
-    assert all(committed <= admissible for _, _, committed, admissible in samples)
-    assert vllm_gauge(vllm_url, "vllm:num_preemptions_total") - before == 0
-
-
 def test_client_leaving_mid_stream_frees_vllm_blocks(kvgate: Served, vllm_url: str) -> None:
     wait_vllm_idle(vllm_url)
     body = {
@@ -411,12 +315,11 @@ def test_openai_client_end_to_end_with_retry(vllm_url: str) -> None:
         served_gateway(
             vllm_url,
             discover_tokenizer=True,
-            queue_max_normal=0,
-            retry_after_min_s=0.2,
+            priority_classes={"normal": {"queue_max": 0}},
             output_backend_prior=False,  # the caps below are the reservations: see there
             priority_token=PRIORITY_TOKEN,
         ) as kvgate,
-        openai.OpenAI(base_url=f"{kvgate.url}/v1", api_key="unused", max_retries=20, timeout=60) as client,
+        openai.OpenAI(base_url=f"{kvgate.url}/v1", api_key="unused", max_retries=60, timeout=60) as client,
         ThreadPoolExecutor(2) as pool,
     ):
         chunks = list(

@@ -612,3 +612,28 @@ def test_the_real_testbeds_metrics_are_read_unchanged(vllm_url: str) -> None:
     assert body.reading() == reading
     assert len(raw) < MAX_METRICS_BODY_BYTES // 100
     assert body.kept_bytes < MAX_METRICS_KEPT_BYTES // 100
+
+
+def test_waiting_for_capacity_is_told_apart_from_deferred_waiting() -> None:
+    # The real testbed says why its requests wait (both reasons exported, at 0 when idle).
+    assert parse_metrics_text((FIXTURES / "metrics_0.32.0.txt").read_text()).waiting_for_capacity == 0
+    base = [
+        CACHE_CONFIG_0_32,
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5',
+        'vllm:num_requests_waiting{engine="0"} 3.0',
+    ]
+    deferred = parse_metrics_text(
+        _text(
+            *base,
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 0.0',
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 3.0',
+        )
+    )
+    assert (deferred.waiting, deferred.waiting_for_capacity, deferred.saturated_waiting) == (3, 0, 0)
+    full = parse_metrics_text(
+        _text(*base, 'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 3.0')
+    )
+    assert full.saturated_waiting == 3
+    # An older vLLM does not say why: every waiting request counts as held back for room.
+    older = parse_metrics_text(_text(*base))
+    assert (older.waiting_for_capacity, older.saturated_waiting) == (None, 3)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import counting
+from gateway.output_model import OUTPUT_WINDOW_SAMPLES
 
 pytestmark = pytest.mark.vllm
 
@@ -48,9 +49,8 @@ def cold(vllm_url: str) -> Iterator[Served]:
         discover_tokenizer=True,
         metrics_poll_interval_s=0.1,
         output_backend_prior=False,
-        output_min_samples=1_000_000,
-        output_window_samples=1_000_000,
-        queue_timeout_normal_s=GENEROUS_QUEUE_S,
+        output_min_samples=OUTPUT_WINDOW_SAMPLES,  # never reached here
+        priority_classes={"normal": {"queue_timeout_s": GENEROUS_QUEUE_S}},
     ) as served:
         yield served
 
@@ -65,7 +65,7 @@ def warm(vllm_url: str, eos: int) -> Iterator[Served]:
         metrics_poll_interval_s=0.1,
         output_backend_prior=False,
         output_min_samples=1,
-        queue_timeout_normal_s=GENEROUS_QUEUE_S,
+        priority_classes={"normal": {"queue_timeout_s": GENEROUS_QUEUE_S}},
     ) as served:
         short = {"model": MODEL, "max_tokens": 1, "logit_bias": {str(eos): 100}}
         for path, body in (

@@ -17,18 +17,15 @@ from gateway.admission import (
     PolicyConfig,
     Priority,
     Reason,
-    RetryAdvice,
 )
 from gateway.capacity import BudgetSnapshot, BudgetState
 from gateway.rates import WaitCalibration
-from gateway.waitqueue import QueueEntry, WaitQueue
+from gateway.waitqueue import WaitQueue
 
 POLICY = AdmissionPolicy(
     PolicyConfig(
         max_queued={Priority.HIGH: 2, Priority.NORMAL: 2, Priority.LOW: 2},
         max_bypass=1,
-        early_shed=False,
-        retry=RetryAdvice(1.0, 0.25, 60.0),
     )
 )
 
@@ -87,7 +84,7 @@ async def test_a_request_that_fits_is_admitted_without_waiting() -> None:
     clock, budget = FakeClock(), FakeBudget()
     queue = make_queue(clock, budget)
     admitted_at: list[float] = []
-    entry = queue.enter(1, ask(4, clock), lambda now: (admitted_at.append(now), budget.book(1, 4)))
+    entry = queue.enter(1, ask(4, clock), lambda now, onto: (admitted_at.append(now), budget.book(1, 4)))
     assert entry.done
     assert entry.future.result().kind is DecisionKind.ADMIT
     assert admitted_at == [100.0]
@@ -97,10 +94,10 @@ async def test_a_request_that_fits_is_admitted_without_waiting() -> None:
 async def test_waiters_are_admitted_in_priority_order_when_blocks_free() -> None:
     clock, budget = FakeClock(), FakeBudget()
     queue = make_queue(clock, budget)
-    queue.enter(1, ask(10, clock), lambda now: budget.book(1, 10))
-    low = queue.enter(2, ask(6, clock, priority=Priority.LOW), lambda now: budget.book(2, 6))
+    queue.enter(1, ask(10, clock), lambda now, onto: budget.book(1, 10))
+    low = queue.enter(2, ask(6, clock, priority=Priority.LOW), lambda now, onto: budget.book(2, 6))
     clock.now += 1
-    high = queue.enter(3, ask(6, clock, priority=Priority.HIGH), lambda now: budget.book(3, 6))
+    high = queue.enter(3, ask(6, clock, priority=Priority.HIGH), lambda now, onto: budget.book(3, 6))
     assert not low.done
     assert not high.done
     assert queue.depth() == {Priority.HIGH: 1, Priority.NORMAL: 0, Priority.LOW: 1}
@@ -117,14 +114,14 @@ async def test_waiters_are_admitted_in_priority_order_when_blocks_free() -> None
 async def test_an_arrival_that_must_wait_keeps_the_wait_predicted_for_it() -> None:
     clock, budget = FakeClock(), FakeBudget()
     queue = WaitQueue(policy=POLICY, budget=budget, drain_rate=lambda now: 4.0, clock=clock)
-    first = queue.enter(1, ask(8, clock), lambda now: budget.book(1, 8))
-    second = queue.enter(2, ask(6, clock), lambda now: budget.book(2, 6))
-    third = queue.enter(3, ask(4, clock), lambda now: budget.book(3, 4))
+    first = queue.enter(1, ask(8, clock), lambda now, onto: budget.book(1, 8))
+    second = queue.enter(2, ask(6, clock), lambda now, onto: budget.book(2, 6))
+    third = queue.enter(3, ask(4, clock), lambda now, onto: budget.book(3, 4))
     assert first.done
     assert first.predicted_wait_s is None  # admitted at once
     assert second.predicted_wait_s == pytest.approx(1.0)  # 6 - 2 free, at 4 blocks/s
     assert third.predicted_wait_s == pytest.approx(2.0)  # 6 queued ahead + 4 - 2 free
-    overflow = queue.enter(4, ask(4, clock), lambda now: budget.book(4, 4))
+    overflow = queue.enter(4, ask(4, clock), lambda now, onto: budget.book(4, 4))
     assert overflow.future.result().reason is Reason.QUEUE_FULL
     assert overflow.predicted_wait_s is None  # refused, it never waited
     clock.now += 5
@@ -143,8 +140,8 @@ async def test_the_calibration_learns_from_admissions_and_deadlines_and_corrects
     )
     # Two small requests predicted at 0.5 s and 1 s in order (2 and 4 blocks at 4 blocks/s)
     # are both admitted after 0.25 s.
-    first = queue.enter(1, ask(2, clock), lambda now: budget.book(1, 2))
-    second = queue.enter(2, ask(2, clock), lambda now: budget.book(2, 2))
+    first = queue.enter(1, ask(2, clock), lambda now, onto: budget.book(1, 2))
+    second = queue.enter(2, ask(2, clock), lambda now, onto: budget.book(2, 2))
     assert (first.in_order_wait_s, second.in_order_wait_s) == (pytest.approx(0.5), pytest.approx(1.0))
     clock.now += 0.25
     budget.committed = 60
@@ -152,20 +149,21 @@ async def test_the_calibration_learns_from_admissions_and_deadlines_and_corrects
     assert first.done
     assert second.done
     # A large one is still queued at its deadline: its wait counts too (what it waited).
-    large = queue.enter(3, ask(30, clock, within_s=3.0), lambda now: budget.book(3, 30))
-    large_again = queue.enter(4, ask(30, clock, within_s=3.0), lambda now: budget.book(4, 30))
-    clock.now += 3.0
+    # (Their deadlines lie past their predictions, or they would be refused on arrival.)
+    large = queue.enter(3, ask(30, clock, within_s=16.0), lambda now, onto: budget.book(3, 30))
+    large_again = queue.enter(4, ask(30, clock, within_s=16.0), lambda now, onto: budget.book(4, 30))
+    clock.now += 16.0
     queue.pump()
     assert large.future.result().reason is Reason.DEADLINE_EXPIRED
     assert large_again.future.result().reason is Reason.DEADLINE_EXPIRED
     # Small: about (0.25 + 0.25) / (0.5 + 1.0), a third (the later sample weighs a little more).
-    # Large (in order 30/4 = 7.5 s and 15 s, with the first still ahead), 3 s each: about 6 / 22.5.
+    # Large (in order 30/4 = 7.5 s and 15 s, with the first still ahead), 16 s each: about 32 / 22.5.
     small_factor = calibration.factor(2, 64)
     assert small_factor == pytest.approx(1 / 3, rel=0.02)
-    assert calibration.factor(30, 64) == pytest.approx(6 / 22.5, rel=0.05)
+    assert calibration.factor(30, 64) == pytest.approx(32 / 22.5, rel=0.05)
     # The next small arrival is predicted at that share of its in-order wait.
     budget.committed = 64
-    third = queue.enter(5, ask(2, clock), lambda now: budget.book(5, 2))
+    third = queue.enter(5, ask(2, clock), lambda now, onto: budget.book(5, 2))
     assert third.in_order_wait_s == pytest.approx(0.5)
     assert third.predicted_wait_s == pytest.approx(0.5 * small_factor)
     # Requests shed for other reasons teach nothing: the queue is cleared, nothing changes.
@@ -176,13 +174,13 @@ async def test_the_calibration_learns_from_admissions_and_deadlines_and_corrects
 async def test_leaving_withdraws_at_once_and_lets_the_next_in() -> None:
     clock, budget = FakeClock(), FakeBudget(total=11)
     queue = make_queue(clock, budget)
-    queue.enter(1, ask(5, clock), lambda now: budget.book(1, 5))
-    big = queue.enter(2, ask(8, clock), lambda now: budget.book(2, 8))
-    small = queue.enter(3, ask(5, clock), lambda now: budget.book(3, 5))
+    queue.enter(1, ask(5, clock), lambda now, onto: budget.book(1, 5))
+    big = queue.enter(2, ask(8, clock), lambda now, onto: budget.book(2, 8))
+    small = queue.enter(3, ask(5, clock), lambda now, onto: budget.book(3, 5))
     # max_bypass is 1: the small one overtook the big one once already.
     assert small.done
     assert not big.done
-    third = queue.enter(4, ask(1, clock), lambda now: budget.book(4, 1))
+    third = queue.enter(4, ask(1, clock), lambda now, onto: budget.book(4, 1))
     assert not third.done  # it would fit, but the big one's bypass allowance is used up
     assert queue.leave(big)
     assert big.future.cancelled()
@@ -195,7 +193,7 @@ async def test_leaving_withdraws_at_once_and_lets_the_next_in() -> None:
 async def test_deadline_sheds_on_pump_with_a_fake_clock() -> None:
     clock, budget = FakeClock(), FakeBudget(committed=10)
     queue = make_queue(clock, budget)
-    entry = queue.enter(1, ask(1, clock, within_s=2.0), lambda now: budget.book(1, 1))
+    entry = queue.enter(1, ask(1, clock, within_s=2.0), lambda now, onto: budget.book(1, 1))
     clock.now += 1.999
     queue.pump()
     assert not entry.done
@@ -206,64 +204,24 @@ async def test_deadline_sheds_on_pump_with_a_fake_clock() -> None:
     assert entry.resolved_at == clock.now
 
 
-async def test_only_a_strict_arrival_answers_for_its_objective_and_only_on_arrival() -> None:
+async def test_an_arrival_predicted_to_miss_its_deadline_is_shed_at_once_with_a_drain_hint() -> None:
     clock, budget = FakeClock(), FakeBudget(committed=10)
-    early = AdmissionPolicy(replace(POLICY.config, early_shed=True))
-    queue = WaitQueue(policy=early, budget=budget, drain_rate=lambda now: 2.0, clock=clock)
-
-    def objective_ask(blocks: int, objective_s: float) -> Ask:
-        return Ask(blocks, blocks, Priority.NORMAL, clock.now, clock.now + 10.0, clock.now + objective_s)
-
-    # 2 blocks short at 2 blocks/s: ready in 1 s. A strict arrival whose objective is 0.5 s
-    # away is shed at once; the same request, not strict (a burst), waits.
-    missed = queue.enter(1, objective_ask(2, 0.5), lambda now: budget.book(1, 2), strict=True)
-    assert missed.done
-    assert missed.future.result().reason is Reason.OBJECTIVE_UNREACHABLE
-    lenient = queue.enter(2, objective_ask(2, 0.5), lambda now: budget.book(2, 2))
-    assert not lenient.done
-    queue.leave(lenient)
-    # A strict arrival that can meet its objective joins; when its objective passes while it
-    # waits, it is not shed for that, only admitted once blocks free.
-    kept = queue.enter(3, objective_ask(2, 1.5), lambda now: budget.book(3, 2), strict=True)
-    assert not kept.done
-    clock.now += 3.0
-    queue.pump()
-    assert not kept.done
-    budget.committed -= 2
-    queue.pump()
-    assert kept.future.result().kind is DecisionKind.ADMIT
-
-
-async def test_a_strict_arrival_judges_those_that_joined_within_the_lookback() -> None:
-    clock, budget = FakeClock(), FakeBudget(committed=10)
-    early = AdmissionPolicy(replace(POLICY.config, early_shed=True, max_queued={p: 10 for p in Priority}))
-    queue = WaitQueue(
-        policy=early, budget=budget, drain_rate=lambda now: 2.0, clock=clock, strict_lookback_s=0.5
-    )
-
-    def enter(key: int, *, strict: bool = False) -> QueueEntry:
-        ask = Ask(2, 2, Priority.NORMAL, clock.now, clock.now + 30.0, clock.now + 1.5)
-        return queue.enter(key, ask, lambda now: budget.book(key, 2), strict=strict)
-
-    old = enter(1)  # waits 1 s (2 blocks at 2/s): it can meet its objective
-    clock.now += 1.0
-    recent = [enter(2), enter(3)]  # lenient: 2 s and 3 s ahead, past their objectives
-    clock.now += 0.25
-    newcomer = enter(4, strict=True)  # beyond capacity: it and the two recent ones answer for objectives
-    assert newcomer.future.result().reason is Reason.OBJECTIVE_UNREACHABLE
-    assert [e.future.result().reason for e in recent] == [Reason.OBJECTIVE_UNREACHABLE] * 2
-    assert all(e.resolved_at is not None and e.resolved_at - e.entered_at <= 0.5 for e in recent)
-    assert not old.done  # joined 1.25 s before: kept, whatever its objective says now
-    clock.now += 5.0
-    queue.pump()
-    assert not old.done
+    queue = WaitQueue(policy=POLICY, budget=budget, drain_rate=lambda now: 2.0, clock=clock)
+    # 4 blocks short at 2 blocks/s: ready in 2 s. With 1.5 s to its deadline it is refused
+    # on arrival, not at its deadline; with 10 s it waits.
+    doomed = queue.enter(1, Ask(4, 4, Priority.NORMAL, clock.now, clock.now + 1.5), lambda now, onto: None)
+    decision = doomed.future.result()
+    assert (decision.reason, decision.retry_after_s) == (Reason.DEADLINE_UNREACHABLE, pytest.approx(2.0))
+    assert doomed.resolved_at == clock.now
+    patient = queue.enter(2, Ask(4, 4, Priority.NORMAL, clock.now, clock.now + 10.0), lambda now, onto: None)
+    assert not patient.done
 
 
 async def test_the_deadline_timer_sheds_without_any_other_event() -> None:
     budget = FakeBudget(committed=10)
     queue = WaitQueue(policy=POLICY, budget=budget, drain_rate=lambda now: None, clock=time.monotonic)
     start = time.monotonic()
-    entry = queue.enter(1, Ask(1, 1, Priority.NORMAL, start, start + 0.05), lambda now: None)
+    entry = queue.enter(1, Ask(1, 1, Priority.NORMAL, start, start + 0.05), lambda now, onto: None)
     decision = await asyncio.wait_for(entry.future, timeout=5.0)
     assert decision.reason is Reason.DEADLINE_EXPIRED
     assert time.monotonic() - start >= 0.05
@@ -273,17 +231,17 @@ async def test_refused_arrivals_never_join() -> None:
     clock, budget = FakeClock(), FakeBudget(committed=10)
     queue = make_queue(clock, budget)
     for key in (1, 2):
-        queue.enter(key, ask(1, clock), lambda now: None)
-    full = queue.enter(3, ask(1, clock), lambda now: None)
+        queue.enter(key, ask(1, clock), lambda now, onto: None)
+    full = queue.enter(3, ask(1, clock), lambda now, onto: None)
     assert full.future.result().reason is Reason.QUEUE_FULL
     # One block free: a request that fits never waits, so no queue is full for it.
     budget.committed = 9
-    fits = queue.enter(6, ask(1, clock, priority=Priority.HIGH), lambda now: budget.book(6, 1))
+    fits = queue.enter(6, ask(1, clock, priority=Priority.HIGH), lambda now, onto: budget.book(6, 1))
     assert fits.future.result().kind is DecisionKind.ADMIT
-    too_big = queue.enter(4, ask(11, clock), lambda now: None)
+    too_big = queue.enter(4, ask(11, clock), lambda now, onto: None)
     assert too_big.future.result().kind is DecisionKind.REJECT
     budget.state = BudgetState.STALE
-    unknown = queue.enter(5, ask(1, clock, priority=Priority.HIGH), lambda now: None)
+    unknown = queue.enter(5, ask(1, clock, priority=Priority.HIGH), lambda now, onto: None)
     assert unknown.future.result().reason is Reason.BUDGET_UNKNOWN
     assert len(queue) == 2
 
@@ -291,12 +249,12 @@ async def test_refused_arrivals_never_join() -> None:
 async def test_a_down_backend_sheds_the_queue_and_close_answers_everyone() -> None:
     clock, budget = FakeClock(), FakeBudget(committed=10)
     queue = make_queue(clock, budget)
-    first = queue.enter(1, ask(1, clock), lambda now: None)
+    first = queue.enter(1, ask(1, clock), lambda now, onto: None)
     budget.state = BudgetState.DOWN
     queue.pump()
     assert first.future.result().reason is Reason.BACKEND_DOWN
     budget.state = BudgetState.FRESH
-    second = queue.enter(2, ask(1, clock), lambda now: None)
+    second = queue.enter(2, ask(1, clock), lambda now, onto: None)
     assert queue.close(Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, 1.0)) == 1
     assert second.future.result().reason is Reason.BACKEND_DOWN
 
@@ -313,7 +271,7 @@ async def test_a_callback_that_pumps_again_is_deferred_not_nested() -> None:
 
     entries = [
         queue.enter(
-            k, ask(1, clock, priority=Priority.LOW if k else Priority.HIGH), lambda now, k=k: admit(k)
+            k, ask(1, clock, priority=Priority.LOW if k else Priority.HIGH), lambda now, onto, k=k: admit(k)
         )
         for k in (0, 1)
     ]
@@ -326,5 +284,5 @@ async def test_a_callback_that_pumps_again_is_deferred_not_nested() -> None:
 @pytest.mark.parametrize("blocks", [0, 10])
 async def test_zero_and_exact_fits(blocks: int) -> None:
     clock, budget = FakeClock(), FakeBudget()
-    entry = make_queue(clock, budget).enter(1, ask(blocks, clock), lambda now: None)
+    entry = make_queue(clock, budget).enter(1, ask(blocks, clock), lambda now, onto: None)
     assert entry.future.result().kind is DecisionKind.ADMIT

@@ -7,8 +7,10 @@
 server on the tiny model with a small KV pool (64 blocks of 32 tokens: contention is real),
 waits until it answers, and prints its URL. Every engine loads the bench's length-forcing logits
 processor (bench_lengths.py beside this file). The engine is pinned to the last core so that the
-gateway and the load generator on the other core do not steal its time. Used by `make test`,
-`make demo` and the session fixture in tests/conftest.py; standard library only.
+gateway and the load generator on the other core do not steal its time; `--core N` pins it to
+core N instead, so that two engines side by side (tests/benchmarks/fleet.py) each get a core of
+their own rather than sharing the last one. Used by `make test`, `make demo` and the session
+fixture in tests/conftest.py; standard library only.
 """
 
 from __future__ import annotations
@@ -56,7 +58,20 @@ def model_dir() -> Path:
     return cache / "tiny-llama"
 
 
-def server_command(venv: Path, model: Path, port: int, extra: list[str]) -> list[str]:
+def engine_core(core: int | None) -> int | None:
+    """The core an engine is pinned to: `core` when given, else the last one; None on a
+    single-core machine (nothing to keep apart)."""
+    cores = os.cpu_count() or 1
+    if core is not None:
+        if not 0 <= core < cores:
+            raise ValueError(f"core {core} does not exist: this machine has cores 0..{cores - 1}")
+        return core
+    return cores - 1 if cores > 1 else None
+
+
+def server_command(
+    venv: Path, model: Path, port: int, extra: list[str], core: int | None = None
+) -> list[str]:
     command = [
         str(venv / "bin" / "python"),
         "-m",
@@ -82,13 +97,13 @@ def server_command(venv: Path, model: Path, port: int, extra: list[str]) -> list
         LOGITS_PROCESSOR,
         *extra,
     ]
-    cores = os.cpu_count() or 1
-    if cores > 1 and shutil.which("taskset"):
-        command = ["taskset", "-c", str(cores - 1), *command]
+    pinned = engine_core(core)
+    if pinned is not None and shutil.which("taskset"):
+        command = ["taskset", "-c", str(pinned), *command]
     return command
 
 
-def server_env() -> dict[str, str]:
+def server_env(core: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -99,9 +114,11 @@ def server_env() -> dict[str, str]:
     )
     # Both the API server (which validates the field) and the engine core import the processor.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    cores = os.cpu_count() or 1
-    if cores > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores - 1)
+    # vLLM binds its compute threads itself too: to the same core as the process, or the
+    # taskset above and its OpenMP binding would disagree.
+    pinned = engine_core(core)
+    if pinned is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(pinned)
     return env
 
 
@@ -113,8 +130,11 @@ def is_ready(url: str) -> bool:
         return False
 
 
-def start(port: int, log_path: Path, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
-    """Launch the server in its own process group and wait until it is healthy."""
+def start(
+    port: int, log_path: Path, extra: list[str] | None = None, core: int | None = None
+) -> subprocess.Popen[bytes]:
+    """Launch the server in its own process group, pinned to `core` (default: the last
+    core), and wait until it is healthy."""
     venv, model = install()
     url = f"http://127.0.0.1:{port}"
     if is_ready(url):
@@ -122,10 +142,10 @@ def start(port: int, log_path: Path, extra: list[str] | None = None) -> subproce
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:  # the server keeps its own copy of the descriptor
         process = subprocess.Popen(
-            server_command(venv, model, port, extra or []),
+            server_command(venv, model, port, extra or [], core),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(),
+            env=server_env(core),
             start_new_session=True,
         )
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -186,6 +206,7 @@ def main() -> int:
     start_parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     start_parser.add_argument("--pidfile", type=Path, default=Path("build/vllm.pid"))
     start_parser.add_argument("--log", type=Path, default=Path("build/vllm.log"))
+    start_parser.add_argument("--core", type=int, help="pin the engine to this core (default: the last one)")
     start_parser.add_argument("extra", nargs="*", help="more vLLM flags, after --")
     stop_parser = sub.add_parser("stop")
     stop_parser.add_argument("--pidfile", type=Path, default=Path("build/vllm.pid"))
@@ -197,7 +218,7 @@ def main() -> int:
         print(f"{venv}\n{model}")
         return 0
     if args.action == "start":
-        process = start(args.port, args.log, args.extra)
+        process = start(args.port, args.log, args.extra, args.core)
         args.pidfile.parent.mkdir(parents=True, exist_ok=True)
         args.pidfile.write_text(str(process.pid))
         print(f"http://127.0.0.1:{args.port}")

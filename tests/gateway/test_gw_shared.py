@@ -1,0 +1,319 @@
+"""Several kvgate gateways, one budget: in-process gateways over one emulator, sharing a real
+redis-server (tests/redis_server.py), the way several processes do."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from conftest import READY_TIMEOUT_S, TEST_SETTINGS, wait_until
+from redis_server import RedisServer, free_port, running_redis
+
+from estimator.tokens import TokenCounter
+from gateway.app import create_app
+from gateway.redis_store import KeyNames
+from gateway.router import Router
+from gateway.settings import Settings
+from sim.config import SimConfig
+from sim.engine import EngineConfig, StepCost
+from sim.lengths import OutputLengthModel
+from sim.server import SimApp, create_sim_app
+
+SLOW_ENGINE = EngineConfig(step_cost=StepCost(base_s=0.004, per_token_s=0.0, per_seq_s=0.0))
+# Answers stop after 60 tokens, but nothing is learned yet: each reserves its max_tokens, 16
+# blocks, so three fit the emulator's 63 admissible blocks and a fourth does not.
+SHORT_ANSWERS = SimConfig(engine=SLOW_ENGINE, output_len=OutputLengthModel.parse("fixed:60"))
+LONG = {"model": "tiny-llama", "prompt": "y", "max_tokens": 500}
+# Answers that outlast an outage of Redis and its noticing (450 steps of 10 ms).
+LONG_ANSWERS = SimConfig(
+    engine=EngineConfig(step_cost=StepCost(base_s=0.01, per_token_s=0.0, per_seq_s=0.0)),
+    output_len=OutputLengthModel.parse("fixed:450"),
+)
+# Three gateways in one process poll the emulator: less often than alone, to leave the loop time.
+SHARED_TEST_SETTINGS = {**TEST_SETTINGS, "metrics_poll_interval_s": 0.05}
+
+
+@dataclass
+class Sharing:
+    routers: list[Router]
+    clients: list[httpx.AsyncClient]
+    sim: SimApp
+    redis: aioredis.Redis
+    keys: KeyNames
+
+    async def booked(self, backend: str = "default") -> int:
+        value = await self.redis.hget(self.keys.booked(backend), "total")
+        return int(value or 0)
+
+
+@contextlib.asynccontextmanager
+async def gateways_sharing(
+    count: int,
+    server: RedisServer | RedisAt,
+    prefix: str,
+    sim_config: SimConfig | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Sharing]:
+    sim_app = create_sim_app(sim_config or SHORT_ANSWERS)
+    settings_values = {
+        **SHARED_TEST_SETTINGS,
+        "redis_url": server.url,
+        "redis_key_prefix": prefix,
+        "budget_overcommit": 0.0,
+        **overrides,
+    }
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(sim_app.run())
+        backend = await stack.enter_async_context(httpx.AsyncClient(transport=httpx.ASGITransport(sim_app)))
+        routers: list[Router] = []
+        clients: list[httpx.AsyncClient] = []
+        for _ in range(count):
+            settings = Settings(backend_url="http://sim", **settings_values)
+            app = create_app(settings, http_client=backend, token_counter=TokenCounter.approximate())
+            await stack.enter_async_context(app.router.lifespan_context(app))
+            routers.append(app.state.kvgate)
+            clients.append(
+                await stack.enter_async_context(
+                    httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost")
+                )
+            )
+        for router in routers:
+            await wait_until(lambda r=router: r.readiness()[0], READY_TIMEOUT_S, "every gateway to be ready")
+        client = aioredis.Redis.from_url(server.url)
+        stack.push_async_callback(client.aclose)
+        yield Sharing(routers, clients, sim_app, client, KeyNames(prefix))
+
+
+async def booked_becomes(
+    sharing: Sharing, blocks: int, backend: str = "default", timeout_s: float = 5.0
+) -> None:
+    """Wait for Redis's total to read `blocks` (releases reach it a round trip after the ledger)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (booked := await sharing.booked(backend)) != blocks:
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"Redis still books {booked} blocks, not {blocks}"
+        )
+        await asyncio.sleep(0.01)
+
+
+def in_flight(sharing: Sharing) -> int:
+    return sum(router.backends[0].ledger.own_totals().entries for router in sharing.routers)  # type: ignore[attr-defined]
+
+
+async def test_three_gateways_never_book_more_than_one_budget(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(3, redis_service, redis_prefix) as sharing:
+        most_booked = most_running = 0
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal most_booked, most_running
+            while not stop.is_set():
+                most_booked = max(most_booked, await sharing.booked())
+                most_running = max(most_running, in_flight(sharing))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        responses = await asyncio.gather(
+            *(client.post("/v1/completions", json=LONG) for client in sharing.clients for _ in range(3))
+        )
+        stop.set()
+        await watcher
+        assert [r.status_code for r in responses] == [200] * 9
+        assert most_running == 3
+        assert 32 < most_booked <= 63
+        assert sharing.sim.runtime.state()["num_preemptions_total"] == 0
+        assert in_flight(sharing) == 0
+        await booked_becomes(sharing, 0)
+        state = (await sharing.clients[0].get("/admin/state")).json()["shared_ledger"]
+        assert state["connected"] is True
+        assert state["processes"] == 3
+        assert state["key_prefix"] == redis_prefix
+        # Each gateway hears of the others' releases at its next round trip (its next scrape).
+        await wait_until(
+            lambda: all(r.backends[0].ledger.totals().reserved_blocks == 0 for r in sharing.routers),
+            5.0,
+            "every gateway to hear that the others released",
+        )
+        ledger = (await sharing.clients[0].get("/admin/state")).json()["backends"][0]["ledger"]
+        assert ledger["own_reserved_blocks"] == ledger["reserved_blocks"] == 0
+
+
+def own_reserved(sharing: Sharing) -> int:
+    return sum(router.backends[0].ledger.own_totals().reserved_blocks for router in sharing.routers)  # type: ignore[attr-defined]
+
+
+async def test_a_gateway_that_stops_renewing_gives_its_blocks_back_after_the_lease_ttl(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(2, redis_service, redis_prefix, redis_lease_ttl_s=0.6) as sharing:
+        doomed, survivor = sharing.routers
+        requests = [
+            asyncio.create_task(sharing.clients[0].post("/v1/completions", json=LONG)) for _ in range(2)
+        ]
+        await wait_until(lambda: in_flight(sharing) == 2, 5.0, "two requests in flight")
+        await booked_becomes(sharing, 32)
+        # It dies as a process does: nothing more reaches Redis from it, its requests end with it.
+        assert doomed.shared is not None
+        await doomed.shared.stop(give_back=False)
+        for request in requests:
+            request.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+        # The survivor's renewals sweep the expired leases: within the TTL and one renewal.
+        await booked_becomes(sharing, 0, timeout_s=0.6 * 2 + 0.5)
+        response = await sharing.clients[1].post("/v1/completions", json=LONG)
+        assert response.status_code == 200
+        assert survivor.backends[0].snapshot().committed_blocks == 0
+
+
+async def test_fail_closed_answers_503_while_redis_is_away_and_recovers(redis_prefix: str) -> None:
+    with running_redis() as server:
+        async with gateways_sharing(1, server, redis_prefix, redis_timeout_s=0.2) as sharing:
+            router, client = sharing.routers[0], sharing.clients[0]
+            assert (await client.post("/v1/completions", json=LONG)).status_code == 200
+            server.pause()
+            try:
+                await wait_until(lambda: not router.readiness()[0], 5.0, "readiness to fall")
+                assert "Redis" in router.readiness()[1]
+                refused = await client.post("/v1/completions", json=LONG)
+                assert refused.status_code == 503
+                assert int(refused.headers["retry-after"]) >= 1
+                assert refused.json()["error"]["code"] == "budget_unknown"
+                metrics = (await client.get("/metrics")).text
+                assert "kvgate_shared_ledger_up 0.0" in metrics
+            finally:
+                server.resume()
+            await wait_until(lambda: router.readiness()[0], 5.0, "readiness to return")
+            assert (await client.post("/v1/completions", json=LONG)).status_code == 200
+            assert "kvgate_shared_ledger_up 1.0" in (await client.get("/metrics")).text
+            assert "kvgate_shared_ledger_errors_total 0.0" not in (await client.get("/metrics")).text
+            await booked_becomes(sharing, 0)
+
+
+async def test_fail_open_admits_within_a_share_and_books_it_again_when_redis_returns(
+    redis_prefix: str,
+) -> None:
+    with running_redis() as server:
+        async with gateways_sharing(
+            2, server, redis_prefix, LONG_ANSWERS, redis_timeout_s=0.2, redis_unavailable="fail_open"
+        ) as sharing:
+            await wait_until(
+                lambda: all(r.shared is not None and r.shared.processes() == 2 for r in sharing.routers),
+                5.0,
+                "both to see two processes",
+            )
+            server.pause()
+            try:
+                await wait_until(
+                    lambda: all(r.shared is not None and not r.shared.connected for r in sharing.routers),
+                    5.0,
+                    "both to notice Redis is away",
+                )
+                assert all(r.readiness()[0] for r in sharing.routers)
+                # Half of the 63 admissible blocks each: one 16-block request at a time, not three.
+                assert [r.backends[0].snapshot().admissible_blocks for r in sharing.routers] == [31, 31]
+                requests = [
+                    asyncio.create_task(client.post("/v1/completions", json=LONG))
+                    for client in sharing.clients
+                    for _ in range(2)
+                ]
+                await wait_until(lambda: in_flight(sharing) == 2, 5.0, "one request in flight on each")
+                assert all(
+                    r.backends[0].ledger.own_totals().entries == 1  # type: ignore[attr-defined]
+                    for r in sharing.routers
+                )
+            finally:
+                server.resume()
+            # Back: what was admitted meanwhile is booked in Redis again, the ledger consistent.
+            await wait_until(
+                lambda: all(r.shared is not None and r.shared.connected for r in sharing.routers),
+                5.0,
+                "both to reconnect",
+            )
+            # The two admitted while Redis was away still run (their answers are long): the first
+            # renewal books them, and Redis's total is again the sum of what the two hold.
+            deadline = asyncio.get_running_loop().time() + 3.0
+            while (booked := await sharing.booked()) != own_reserved(sharing):
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"Redis books {booked}, not {own_reserved(sharing)}"
+                )
+                await asyncio.sleep(0.01)
+            assert booked >= 32
+            responses = await asyncio.gather(*requests)
+            assert [r.status_code for r in responses] == [200] * 4
+            await booked_becomes(sharing, 0)
+
+
+async def test_a_redis_that_restarts_empty_gets_the_scripts_and_the_leases_again(redis_prefix: str) -> None:
+    with running_redis() as server:
+        async with gateways_sharing(1, server, redis_prefix, redis_timeout_s=0.3) as sharing:
+            client = sharing.clients[0]
+            running = asyncio.create_task(client.post("/v1/completions", json=LONG))
+            await wait_until(lambda: in_flight(sharing) == 1, 5.0, "a request in flight")
+            await booked_becomes(sharing, 16)
+            server.restart()  # no persistence: every key and script is gone
+            await sharing.redis.aclose()
+            sharing.redis = aioredis.Redis.from_url(server.url)
+            # The next renewal books the running request again; new ones are booked as before.
+            await booked_becomes(sharing, 16)
+            assert (await client.post("/v1/completions", json=LONG)).status_code == 200
+            assert (await running).status_code == 200
+            await booked_becomes(sharing, 0)
+            await sharing.redis.aclose()
+
+
+async def test_tls_and_a_password_come_with_the_url_and_a_wrong_one_fails_closed(
+    certificate: tuple[Path, Path], redis_prefix: str
+) -> None:
+    cert, key = certificate
+    tls_port = free_port()
+    server = RedisServer(
+        port=free_port(),
+        extra_args=[
+            "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+            "--user", "kvgate", "on", ">s3cret", "~*", "&*", "+@all",
+        ],
+    )  # fmt: skip
+    server.start()
+    try:
+        url = f"rediss://kvgate:s3cret@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+        async with gateways_sharing(1, RedisAt(url), redis_prefix) as sharing:
+            assert (await sharing.clients[0].post("/v1/completions", json=LONG)).status_code == 200
+            state = (await sharing.clients[0].get("/admin/state")).json()["shared_ledger"]
+            assert state["connected"] is True
+            assert "s3cret" not in json.dumps(state)
+        wrong = url.replace("s3cret", "wrong")
+        sim_app = create_sim_app(SHORT_ANSWERS)
+        async with sim_app.run(), httpx.AsyncClient(transport=httpx.ASGITransport(sim_app)) as backend:
+            settings = Settings(
+                backend_url="http://sim",
+                redis_url=wrong,
+                redis_key_prefix=redis_prefix,
+                **SHARED_TEST_SETTINGS,
+            )
+            app = create_app(settings, http_client=backend, token_counter=TokenCounter.approximate())
+            async with app.router.lifespan_context(app):
+                router: Router = app.state.kvgate
+                await asyncio.sleep(1.0)
+                ready, detail = router.readiness()
+                assert not ready
+                assert "Redis" in detail
+                assert "wrong" not in detail
+    finally:
+        server.stop()
+
+
+@dataclass
+class RedisAt:
+    """A Redis reached at `url` (for gateways_sharing, which needs only the URL)."""
+
+    url: str

@@ -1,0 +1,156 @@
+"""The shared ledger's Lua scripts on a real redis-server: route-and-reserve, releases and
+resizes, renewals, expiry. Time is the server's: expiries here are short, not faked."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis_server import RedisServer
+
+from gateway.redis_store import KeyNames, _script
+
+TTL_MS = 60_000
+
+
+@pytest.fixture
+async def client(redis_service: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    connection = aioredis.Redis.from_url(redis_service.url)
+    yield connection
+    await connection.aclose()
+
+
+class Scripts:
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.keys = KeyNames(prefix)
+        self.book_script = client.register_script(_script("book"))
+        self.release_script = client.register_script(_script("release"))
+        self.renew_script = client.register_script(_script("renew"))
+
+    async def book(
+        self,
+        owner: str,
+        caps: dict[str, int],
+        requests: list[tuple[str, list[tuple[str, int]]]],
+        ttl_ms: int = TTL_MS,
+    ) -> list[str | None]:
+        names = list(caps)
+        keys = [key for name in names for key in self.keys.backend(name)]
+        args: list[str | int] = [owner, ttl_ms, len(names), *caps.values(), len(requests)]
+        for lease, candidates in requests:
+            args += [lease, len(candidates)]
+            for name, blocks in candidates:
+                args += [names.index(name) + 1, blocks]
+        placements, _caps, _others = await self.book_script(keys=keys, args=args)
+        return [names[int(p) - 1] if int(p) else None for p in placements]
+
+    async def release(self, owner: str, backend: str, changes: list[tuple[str, int]]) -> int:
+        args: list[str | int] = [owner]
+        for lease, blocks in changes:
+            args += [lease, blocks]
+        return int(await self.release_script(keys=self.keys.backend(backend), args=args))
+
+    async def renew(
+        self,
+        owner: str,
+        backend: str,
+        leases: list[tuple[str, int]],
+        *,
+        view: str = "",
+        cap: int = 0,
+        ttl_ms: int = TTL_MS,
+    ) -> tuple[int, int, list[str]]:
+        args: list[str | int] = [owner, ttl_ms, view, TTL_MS, cap]
+        for lease, blocks in leases:
+            args += [lease, blocks]
+        others, alive, views = await self.renew_script(
+            keys=[*self.keys.backend(backend), self.keys.alive], args=args
+        )
+        return int(others), int(alive), [v.decode() for v in views]
+
+    async def booked(self, backend: str, field: str = "total") -> int:
+        return int(await self.client.hget(self.keys.booked(backend), field) or 0)
+
+
+async def test_a_request_is_booked_on_the_first_candidate_with_room_or_on_none(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    caps = {"a": 10, "b": 10}
+    assert await scripts.book("p1", caps, [("p1:1", [("a", 8), ("b", 8)])]) == ["a"]
+    # a has 2 left: the next goes to b; then neither has 8 left.
+    placed = await scripts.book("p1", caps, [("p1:2", [("a", 8), ("b", 8)]), ("p1:3", [("a", 8), ("b", 8)])])
+    assert placed == ["b", None]
+    assert await scripts.book("p1", caps, [("p1:4", [("a", 2)])]) == ["a"]
+    assert (await scripts.booked("a"), await scripts.booked("b")) == (10, 8)
+    assert await scripts.booked("a", "p1") == 10
+
+
+async def test_booking_the_same_lease_twice_counts_it_once(client: aioredis.Redis, redis_prefix: str) -> None:
+    scripts = Scripts(client, redis_prefix)
+    assert await scripts.book("p1", {"a": 10}, [("p1:1", [("a", 6)])]) == ["a"]
+    # The answer was lost and the request is booked again: the same lease, already there.
+    assert await scripts.book("p1", {"a": 10}, [("p1:1", [("a", 6)])]) == ["a"]
+    assert await scripts.booked("a") == 6
+
+
+async def test_the_smallest_cap_of_the_live_processes_holds(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    await scripts.renew("p2", "a", [], view="[0,0,0,0,0,0,0,0]", cap=5)
+    assert await scripts.book("p1", {"a": 10}, [("p1:1", [("a", 6)])]) == [None]
+    assert await scripts.book("p1", {"a": 10}, [("p1:2", [("a", 5)])]) == ["a"]
+    # A cap whose process stopped publishing it no longer binds.
+    await scripts.renew("p3", "a", [], view="[0,0,0,0,0,0,0,0]", cap=1, ttl_ms=TTL_MS)
+    await client.hset(KeyNames(redis_prefix).backend("a")[3], mapping={"p2": "1 5 x", "p3": "1 1 x"})
+    assert await scripts.book("p1", {"a": 10}, [("p1:3", [("a", 5)])]) == ["a"]
+
+
+async def test_releases_and_resizes_apply_once_and_only_to_live_leases(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    await scripts.book("p1", {"a": 20}, [("p1:1", [("a", 6)]), ("p1:2", [("a", 4)])])
+    await scripts.book("p2", {"a": 20}, [("p2:1", [("a", 3)])])
+    others = await scripts.release("p1", "a", [("p1:1", 9), ("p1:2", 0), ("p1:2", 0), ("p1:9", 5)])
+    assert others == 3  # p2's
+    assert await scripts.booked("a") == 12
+    assert await scripts.booked("a", "p1") == 9
+    await scripts.release("p1", "a", [("p1:1", 0)])
+    assert await scripts.booked("a") == 3
+    assert await client.hexists(KeyNames(redis_prefix).booked("a"), "p1") == 0
+
+
+async def test_expired_leases_give_their_blocks_back_and_a_renewal_books_a_live_one_again(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    await scripts.book("dead", {"a": 20}, [("dead:1", [("a", 7)])], ttl_ms=100)
+    await scripts.book("p1", {"a": 20}, [("p1:1", [("a", 5)])], ttl_ms=100)
+    await asyncio.sleep(0.25)
+    # p1 still runs its request: its renewal recreates the lease; the dead one's is swept.
+    others, alive, views = await scripts.renew("p1", "a", [("p1:1", 5)], view="[1,2,3,4,5,6,7,8]", cap=20)
+    assert (others, alive, views) == (0, 1, [])
+    assert await scripts.booked("a") == 5
+    # A renewal resizes a lease whose resize was lost, and shows the others' views.
+    await scripts.renew("p2", "a", [], view="[9,9,9,9,9,9,9,9]", cap=20)
+    others, alive, views = await scripts.renew("p1", "a", [("p1:1", 8)])
+    assert (others, alive, views) == (0, 2, ["p2", "[9,9,9,9,9,9,9,9]"])
+    assert await scripts.booked("a") == 8
+
+
+async def test_a_peer_entry_that_is_not_ours_binds_nobody_and_is_dropped(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    peer = KeyNames(redis_prefix).backend("a")[3]
+    far = 2**50  # an expiry far in the future: only the format is wrong
+    await client.hset(peer, mapping={"old": "garbage", "odd": f"{far} notanumber x", "bare": f"{far}"})
+    assert await scripts.book("p1", {"a": 10}, [("p1:1", [("a", 6)])]) == ["a"]
+    assert await client.hlen(peer) == 0
+    others, alive, views = await scripts.renew("p1", "a", [("p1:1", 6)])
+    assert (others, alive, views) == (0, 1, [])
