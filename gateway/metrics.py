@@ -314,6 +314,15 @@ class GatewayMetrics:
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0),
             registry=registry,
         )
+        self.shared_reserve_admissions = _Labelled(
+            Counter(
+                "kvgate_shared_ledger_reserve_admissions",
+                "Admissions answered from this process's standing reserve on the backend in the "
+                "shared ledger (Redis), without a round trip first (see gateway.reserve)",
+                ["backend"],
+                registry=registry,
+            )
+        )
         self.shared_errors = Counter(
             "kvgate_shared_ledger_errors",
             "Round trips to the shared ledger (Redis) that failed (unreachable, timed out, refused)",
@@ -369,6 +378,7 @@ class GatewayMetrics:
             self.scrape_failures,
             self.failovers,
             self.shared_refusals,
+            self.shared_reserve_admissions,
         )
 
     def watch(self, source: GaugeSource) -> Collector:

@@ -21,8 +21,13 @@ lease that expired while its request still runs (Redis was away) is booked again
 renewal, since vLLM really holds that request's KV. Nothing ever needs a manual reset.
 
 Every call goes through one writer task: each round trip is one pipeline carrying everything
-pending (releases first, then bookings, then renewals), so a burst of admissions costs one
-round trip, and the answers come back in the order the changes were made.
+pending (the reserves' takes first, then releases, bookings, the reserves' new sizes and
+renewals), so a burst of admissions costs one round trip, and the answers come back in the
+order the changes were made.
+
+While nobody waits for a backend, an admission that fits this process's standing reserve on
+it (gateway.reserve) is answered at once, without a round trip, and told to Redis with the
+next one.
 
 While Redis cannot be reached, `redis_unavailable` decides: `fail_closed` makes every budget
 unknown (new requests get 503 with Retry-After, /readyz says why); `fail_open` admits within
@@ -54,6 +59,7 @@ from redis.exceptions import NoScriptError, RedisError
 from gateway.capacity import BudgetSnapshot
 from gateway.credentials import redact_url
 from gateway.metrics import GatewayMetrics
+from gateway.reserve import RESERVE_DIVISOR, Reserve, reserve_target
 from gateway.settings import Settings
 from gateway.shared_view import PeerView, SharedLedger
 from gateway.waitqueue import Booking, BookingAnswer
@@ -68,6 +74,13 @@ RENEWALS_PER_TTL = 3
 FAILURES_TO_UNREACHABLE = 2
 # Releases kept for Redis's return while it is away; past this many the leases' expiry repairs it.
 MAX_PENDING_RELEASES = 100_000
+# How soon releases and resizes go to Redis after they are made (a booking takes them along
+# at once): soon enough that the others see the room, late enough that a stream's first
+# token is not sent beside a round trip and that a busy process's changes go in a few trips.
+CHANGES_FLUSH_S = 0.01
+# The lease id of a process's standing reserve on a backend: "<owner>:reserve" (a request's is
+# "<owner>:<key>", key an integer).
+RESERVE_LEASE = "reserve"
 
 
 LUA = Path(__file__).with_name("lua")
@@ -120,6 +133,25 @@ class _BackendLink:
     # (lease key, blocks) in the order the changes were made: blocks 0 releases.
     changes: list[tuple[int, int]] = field(default_factory=list)
     publish: bool = False
+    reserve: Reserve = field(default_factory=Reserve)
+
+
+@dataclass(slots=True)
+class _Trip:
+    """What one round trip carries, in the order the pipeline sends it."""
+
+    takes: list[tuple[_BackendLink, list[tuple[int, int]], int]]  # (link, takes, target or -1)
+    changes: list[tuple[_BackendLink, list[tuple[int, int]]]]
+    bookings: list[_PendingBooking]
+    sizes: list[tuple[_BackendLink, int]]  # the reserves' new sizes, after the bookings
+    publishing: list[_BackendLink]
+    renew: bool
+
+    def empty(self) -> bool:
+        return not (
+            self.takes or self.bookings or self.sizes or self.publishing or self.renew
+            or any(pending for _, pending in self.changes)
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -156,7 +188,7 @@ class RedisLedgerStore:
         )
         # Loaded once (SCRIPT LOAD) and called by digest: redis-py's script objects ask the
         # server whether they exist before every pipeline, a second round trip each time.
-        self._sources = {name: _script(name) for name in ("book", "release", "renew")}
+        self._sources = {name: _script(name) for name in ("book", "release", "renew", "reserve")}
         self._digests = {
             name: hashlib.sha1(source.encode()).hexdigest() for name, source in self._sources.items()
         }
@@ -164,6 +196,7 @@ class RedisLedgerStore:
         self._links: dict[str, _BackendLink] = {}
         self._bookings: list[_PendingBooking] = []
         self._wake = asyncio.Event()
+        self._flush: asyncio.TimerHandle | None = None
         self._renew_due = True
         self._renewed_at = -math.inf
         self.connected = False
@@ -216,6 +249,9 @@ class RedisLedgerStore:
                 async with asyncio.timeout(self.settings.redis_timeout_s * 4):
                     await self._round_trip()
                     await self._redis.zrem(self.keys.alive, self.owner)
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         for gauge in self._gauges:
             with contextlib.suppress(KeyError):
                 self.metrics.registry.unregister(gauge)
@@ -259,6 +295,7 @@ class RedisLedgerStore:
             "processes": self.processes(),
             "lease_ttl_s": self.settings.redis_lease_ttl_s,
             "others_booked_blocks": {name: link.ledger.others_booked for name, link in self._links.items()},
+            "reserve_blocks": {name: link.reserve.available for name, link in self._links.items()},
         }
 
     def processes(self) -> int:
@@ -278,8 +315,33 @@ class RedisLedgerStore:
         return self.connected
 
     def book(self, bookings: Sequence[Booking], answer: Callable[[BookingAnswer], None]) -> None:
+        if self._take_from_reserves(bookings):
+            for booking in bookings:
+                self.metrics.shared_reserve_admissions.labels(booking.candidates[0][0]).inc()
+            # The takes ride with the next round trip (at the latest the next scrape's): their
+            # blocks are booked already, and a round trip now would compete with the request's
+            # first token for the loop.
+            asyncio.get_running_loop().call_soon(answer, [booking.candidates[0][0] for booking in bookings])
+            return
         self._bookings.append(_PendingBooking(bookings, answer))
         self._wake.set()
+
+    def _take_from_reserves(self, bookings: Sequence[Booking]) -> bool:
+        """Admit the whole batch from the reserves of its chosen backends, if they hold it."""
+        if not self.connected:
+            return False
+        needs: dict[str, int] = {}
+        for booking in bookings:
+            name, blocks = booking.candidates[0]
+            needs[name] = needs.get(name, 0) + blocks
+        for name, blocks in needs.items():
+            link = self._links.get(name)
+            if link is None or not link.reserve.fits(blocks):
+                return False
+        for booking in bookings:
+            name, blocks = booking.candidates[0]
+            self._links[name].reserve.take(booking.key, blocks)
+        return True
 
     def release(self, target: str, key: int) -> None:
         self.released(target, key)
@@ -299,6 +361,11 @@ class RedisLedgerStore:
         if len(link.changes) >= MAX_PENDING_RELEASES:
             return  # Redis has been away long: the leases' expiry repairs what is dropped
         link.changes.append((key, blocks))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(CHANGES_FLUSH_S, self._flushed)
+
+    def _flushed(self) -> None:
+        self._flush = None
         self._wake.set()
 
     # -- the writer -----------------------------------------------------------------------
@@ -342,16 +409,8 @@ class RedisLedgerStore:
                 self._failed(exc)
 
     async def _round_trip(self) -> None:
-        bookings, self._bookings = self._bookings, []
-        renew = self._renew_due or not self.connected
-        links = list(self._links.values())
-        sent_changes = [(link, link.changes) for link in links]
-        for link in links:
-            link.changes = []
-        publishing = [link for link in links if link.publish or renew]
-        for link in publishing:
-            link.publish = False
-        if not bookings and not renew and not publishing and not any(c for _, c in sent_changes):
+        trip = self._next_trip()
+        if trip.empty():
             return
         started = time.perf_counter()
         try:
@@ -359,45 +418,88 @@ class RedisLedgerStore:
                 if not self._loaded:
                     await self._load_scripts()
                 try:
-                    results = await self._send(bookings, sent_changes, publishing, renew)
+                    results = await self._send(trip)
                 except NoScriptError:
                     # Redis restarted (or flushed its scripts): load them again and resend;
                     # every script is idempotent, so what did run may run twice.
                     await self._load_scripts()
-                    results = await self._send(bookings, sent_changes, publishing, renew)
+                    results = await self._send(trip)
         except BaseException:
-            # Nothing of this round trip is known to have happened: the changes are sent again
-            # (they are idempotent), the bookings are refused (their waiters go back to the queue).
-            for link, changes in sent_changes:
+            # Nothing of this round trip is known to have happened: the changes and takes are
+            # sent again (they are idempotent), the bookings are refused (their waiters go back
+            # to the queue).
+            for link, changes in trip.changes:
                 link.changes[:0] = changes
-            for link in publishing:
+            for link in self._links.values():
+                link.reserve.failed()
+            for link in trip.publishing:
                 link.publish = True
-            for pending in bookings:
+            for pending in trip.bookings:
                 pending.answer(None)
             raise
         self.metrics.shared_round_trip.observe(time.perf_counter() - started)
-        self._apply(results, bookings, sent_changes, publishing, renew)
+        self._apply(results, trip)
 
-    async def _send(
-        self,
-        bookings: Sequence[_PendingBooking],
-        changes: Sequence[tuple[_BackendLink, list[tuple[int, int]]]],
-        publishing: Sequence[_BackendLink],
-        renew: bool,
-    ) -> list[Any]:
+    def _next_trip(self) -> _Trip:
+        """Take everything pending into one round trip."""
+        bookings, self._bookings = self._bookings, []
+        renew = self._renew_due or not self.connected
+        links = list(self._links.values())
+        booked_on = {name for pending in bookings for name in _candidate_names(pending.bookings)}
+        takes: list[tuple[_BackendLink, list[tuple[int, int]], int]] = []
+        sizes: list[tuple[_BackendLink, int]] = []
+        for link in links:
+            reserve = link.reserve
+            target = self._reserve_target(link)
+            # A booking that goes to Redis must not be refused for this process's own reserve:
+            # the reserve is given back before it, and sized again after.
+            first = 0 if link.ledger.backend in booked_on and reserve.held > 0 else None
+            sent = reserve.send(first)
+            if sent or first is not None:
+                takes.append((link, sent, -1 if first is None else first))
+            # What the reserve holds once the takes are made; renewed with the leases.
+            after = 0 if first is not None else max(0, reserve.held - sum(blocks for _, blocks in sent))
+            if target != after or (renew and after > 0):
+                reserve.available = min(reserve.available, target)
+                sizes.append((link, target))
+        changes = [(link, link.changes) for link in links]
+        for link in links:
+            link.changes = []
+        publishing = [link for link in links if link.publish or renew]
+        for link in publishing:
+            link.publish = False
+        return _Trip(takes, changes, bookings, sizes, publishing, renew)
+
+    def _reserve_target(self, link: _BackendLink) -> int:
+        ledger = link.ledger
+        if self._stopping or not self.connected or not ledger.connected:
+            return 0
+        return reserve_target(
+            cap=_reserve_cap(link.snapshot()),
+            others_booked=ledger.others_booked,
+            own_reserved=ledger.own_totals().reserved_blocks,
+            processes=ledger.processes,
+            waiting=link.waiting() + ledger.others_waiting,
+        )
+
+    async def _send(self, trip: _Trip) -> list[Any]:
         ttl_ms = str(int(self.settings.redis_lease_ttl_s * 1000))
         view_ttl_ms = str(int(self.settings.metrics_stale_after_s * 1000))
         async with self._redis.pipeline(transaction=False) as pipe:
-            for link, pending in changes:
+            for link, takes, target in trip.takes:
+                self._reserve_call(pipe, link, ttl_ms, target, takes)
+            for link, pending in trip.changes:
                 if pending:
                     args: list[str | int] = [self.owner]
                     for key, blocks in pending:
                         args += [self._lease_id(key), blocks]
                     _call(pipe, self._digests["release"], self.keys.backend(link.ledger.backend), args)
-            for pending_booking in bookings:
+            for pending_booking in trip.bookings:
                 keys, args = self._booking_call(pending_booking.bookings, ttl_ms)
                 _call(pipe, self._digests["book"], keys, args)
-            for link in publishing:
+            for link, target in trip.sizes:
+                self._reserve_call(pipe, link, ttl_ms, target, [])
+            for link in trip.publishing:
                 snapshot = link.snapshot()
                 cap = cap_of(snapshot, link.ledger.totals().credit_blocks) if link.ledger.connected else None
                 view = link.ledger.view(link.settled_before(), link.waiting()) if cap is not None else None
@@ -408,7 +510,7 @@ class RedisLedgerStore:
                     view_ttl_ms,
                     cap if cap is not None else 0,
                 ]
-                if renew:
+                if trip.renew:
                     for key, blocks in link.ledger.leases().items():
                         args += [self._lease_id(key), blocks]
                 _call(
@@ -419,6 +521,19 @@ class RedisLedgerStore:
                 )
             result: list[Any] = await pipe.execute()
         return result
+
+    def _reserve_call(
+        self, pipe: Any, link: _BackendLink, ttl_ms: str, target: int, takes: Sequence[tuple[int, int]]
+    ) -> None:
+        cap = _reserve_cap(link.snapshot())
+        share = RESERVE_DIVISOR * max(1, link.ledger.processes)
+        args: list[str | int] = [self.owner, ttl_ms, self._lease_id_of_reserve(), cap or 0, target, share]
+        for key, blocks in takes:
+            args += [self._lease_id(key), blocks]
+        _call(pipe, self._digests["reserve"], self.keys.backend(link.ledger.backend), args)
+
+    def _lease_id_of_reserve(self) -> str:
+        return f"{self.owner}:{RESERVE_LEASE}"
 
     async def _load_scripts(self) -> None:
         for name, source in self._sources.items():
@@ -446,22 +561,21 @@ class RedisLedgerStore:
                 args += [index[name], blocks]
         return keys, args
 
-    def _apply(
-        self,
-        results: list[Any],
-        bookings: Sequence[_PendingBooking],
-        changes: Sequence[tuple[_BackendLink, list[tuple[int, int]]]],
-        publishing: Sequence[_BackendLink],
-        renew: bool,
-    ) -> None:
+    def _apply(self, results: list[Any], trip: _Trip) -> None:
         answers = iter(results)
-        for link, pending in changes:
+        # In the order the server ran them: takes, releases, bookings, sizes, then renewals
+        # (the newest totals).
+        held: dict[str, int] = {}
+        for link, _takes, _target in trip.takes:
+            reserve_blocks, others_booked = next(answers)
+            held[link.ledger.backend] = int(reserve_blocks)
+            link.ledger.heard(int(others_booked))
+        for link, pending in trip.changes:
             if pending:
                 link.ledger.heard(int(next(answers)))
-        booking_results = [next(answers) for _ in bookings]
-        # In the order the server ran them: releases, bookings, then renewals (the newest totals).
+        booking_results = [next(answers) for _ in trip.bookings]
         places_of: list[list[str | None]] = []
-        for pending_booking, (placements, _caps, others) in zip(bookings, booking_results, strict=True):
+        for pending_booking, (placements, _caps, others) in zip(trip.bookings, booking_results, strict=True):
             names = _candidate_names(pending_booking.bookings)
             for name, booked in zip(names, others, strict=True):
                 if (booked_link := self._links.get(name)) is not None:
@@ -473,7 +587,13 @@ class RedisLedgerStore:
                     self.metrics.shared_refusals.labels(booking.candidates[0][0]).inc()
                 places.append(place)
             places_of.append(places)
-        for link in publishing:
+        for link, _target in trip.sizes:
+            reserve_blocks, others_booked = next(answers)
+            held[link.ledger.backend] = int(reserve_blocks)
+            link.ledger.heard(int(others_booked))
+        for link in self._links.values():
+            link.reserve.answered(held.get(link.ledger.backend, link.reserve.held))
+        for link in trip.publishing:
             others_booked, alive, views = next(answers)
             parsed = {
                 _text(owner): view
@@ -481,7 +601,7 @@ class RedisLedgerStore:
                 if (view := PeerView.from_text(_text(text))) is not None
             }
             link.ledger.heard(int(others_booked), parsed, max(int(alive), self.settings.workers))
-        if renew:
+        if trip.renew:
             self._renewed_at = self._clock()
             self._renew_due = False
         if not self.connected:
@@ -489,7 +609,7 @@ class RedisLedgerStore:
             log.warning("the shared ledger at %s answers%s", self._url, again)
         self.connected = self._ever_connected = True
         self._reported_down = False
-        for pending_booking, places in zip(bookings, places_of, strict=True):
+        for pending_booking, places in zip(trip.bookings, places_of, strict=True):
             pending_booking.answer(places)
 
     def _failed(self, exc: BaseException) -> None:
@@ -509,6 +629,12 @@ class RedisLedgerStore:
         self.connected = False
         for link in self._links.values():
             link.ledger.lost()
+
+
+def _reserve_cap(snapshot: BudgetSnapshot) -> int | None:
+    """The cap a reserve is sized under: this process's, without the prefix credit (credit is
+    room that requests sharing blocks leave; a reserve shares none, so it never takes it)."""
+    return cap_of(snapshot, 0)
 
 
 def _call(pipe: Any, digest: str, keys: Sequence[str], args: Sequence[str | int]) -> None:

@@ -44,6 +44,9 @@ class PeerView:
     # Its counter of the blocks its completed requests had reserved: their differences are
     # the blocks it freed, which the backend's drain rate (waits, Retry-After) must count too.
     freed_blocks: int = 0
+    # What its requests are certain still to grow into (min_tokens, ignore_eos): room that
+    # vLLM shows unused but is taken (see gateway.capacity, overcommit).
+    certain_growth_blocks: int = 0
 
     def values(self) -> tuple[int, ...]:
         return (
@@ -55,6 +58,7 @@ class PeerView:
             self.released_blocks,
             self.waiting,
             self.freed_blocks,
+            self.certain_growth_blocks,
         )
 
     def to_text(self) -> str:
@@ -62,18 +66,20 @@ class PeerView:
 
     @classmethod
     def from_text(cls, text: str) -> PeerView | None:
-        """Parse a published view; None for text that is not one (another version's, or junk)."""
+        """Parse a published view; None for text that is not one. Fields are only ever added
+        at the end: during a rolling update an older process's view lacks the newest ones
+        (read as 0) and a newer one's has more (ignored)."""
         try:
             values = json.loads(text)
         except ValueError:
             return None
         if (
             not isinstance(values, list)
-            or len(values) != FIELDS
+            or len(values) < FIRST_FIELDS
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
         ):
             return None
-        return cls(*values)
+        return cls(*values[:FIELDS])
 
     @staticmethod
     def total(views: Iterable[PeerView]) -> PeerView:
@@ -85,6 +91,8 @@ class PeerView:
 
 
 FIELDS = len(PeerView().values())
+# The fields of the first published layout: a view with fewer is not one.
+FIRST_FIELDS = 8
 
 
 class LeaseSink(Protocol):
@@ -202,7 +210,7 @@ class SharedLedger(InMemoryLedger):
             own.fresh_blocks + peers.held_blocks - peers.settled_blocks,
             own.settled_sequences + peers.settled_sequences,
             own.newest_settled_at,
-            own.certain_growth_blocks,
+            own.certain_growth_blocks + peers.certain_growth_blocks,
         )
 
     @property
@@ -224,6 +232,7 @@ class SharedLedger(InMemoryLedger):
             released_blocks=super().released_blocks,
             waiting=waiting,
             freed_blocks=self._freed,
+            certain_growth_blocks=own.certain_growth_blocks,
         )
 
     def leases(self) -> Mapping[int, int]:

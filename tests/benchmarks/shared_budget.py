@@ -38,7 +38,8 @@ per-round differences against the kvgate without Redis.
 
 Writes cases.md, cases.json, samples-<case>.jsonl, requests-<case>.jsonl (with the process
 that served each), metrics-<case>.jsonl (the engine's and the kvgates' scrapes every 0.5 s),
-overhead.md/.json and every process's log under --out. Not a test: about a minute per case plus start-ups.
+overhead.md/.json and every process's log under --out. `--cases "" --overhead` measures the
+overhead alone, without the engine. Not a test: about a minute per case plus start-ups.
 """
 
 from __future__ import annotations
@@ -569,6 +570,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     engine_core = cores - 1 if cores > 1 else None
     with contextlib.ExitStack() as stack:
+        if not args.case_list:
+            # The overhead alone runs against the emulator: no engine to wait for.
+            pin_self(args.client_core)
+            if args.overhead:
+                run_overhead(engine_core, args)
+            return 0
         if not testbed.is_ready(engine):
             if not args.start_engine:
                 raise SystemExit(f"{engine} does not answer /health (start the testbed, or --start-engine)")

@@ -28,8 +28,11 @@ import httpx
 import redis
 from faultkit import KvgateProcess, sse_events, start_kvgate
 
+from gateway.redis_store import RESERVE_LEASE
+
 BACKEND = "default"
 PREFIX = "kvgate"
+RESERVE_SUFFIX = f":{RESERVE_LEASE}"
 LEASE_TTL_S = 2.0
 # Streams before any of these fail are answered; the few-second polls below are bounds on
 # liveness (the system must get there at all), not performance targets.
@@ -79,29 +82,55 @@ class SharedKeys:
         return f"{{{self.prefix}}}:alive"
 
     def booked_total(self, client: redis.Redis) -> int:
-        """HGET booked total: the blocks of every live lease (0 when there is none)."""
+        """HGET booked total: the blocks of every live lease, the processes' standing reserves
+        included (0 when there is none)."""
         value = client.hget(self.booked, "total")
         return int(value) if value is not None else 0
+
+    def reserves(self, client: redis.Redis) -> dict[str, int]:
+        """Owner -> the blocks of its standing reserve (gateway.reserve), for those that hold one."""
+        return _reserves(client.hgetall(self.lease))
+
+    def requests_booked(self, client: redis.Redis) -> int:
+        """The blocks booked for requests: the total less the reserves, read in one transaction."""
+        total, leases = (
+            client.pipeline(transaction=True).hget(self.booked, "total").hgetall(self.lease).execute()
+        )
+        return int(total or 0) - sum(_reserves(leases).values())
 
     def owners_alive(self, client: redis.Redis) -> set[str]:
         return {str(owner) for owner in client.zrange(self.alive, 0, -1)}
 
     def holders(self, client: redis.Redis) -> set[str]:
-        """The owners holding at least one lease."""
-        return {str(value).rpartition(" ")[0] for value in client.hgetall(self.lease).values()}
+        """The owners holding at least one request's lease."""
+        return {
+            str(value).rpartition(" ")[0]
+            for lease_id, value in client.hgetall(self.lease).items()
+            if not str(lease_id).endswith(RESERVE_SUFFIX)
+        }
 
     def leases_of(self, client: redis.Redis, owner: str) -> dict[str, int]:
-        """Lease id -> blocks, for the leases `owner` holds ("<owner> <blocks>" values)."""
+        """Lease id -> blocks, for the requests' leases `owner` holds ("<owner> <blocks>" values)."""
         leases: dict[str, int] = {}
         for lease_id, value in client.hgetall(self.lease).items():
             holder, _, blocks = str(value).rpartition(" ")
-            if holder == owner:
+            if holder == owner and not str(lease_id).endswith(RESERVE_SUFFIX):
                 leases[str(lease_id)] = int(blocks)
         return leases
 
     def booked_by(self, client: redis.Redis, owner: str) -> int:
+        """The blocks `owner` booked, its reserve included."""
         value = client.hget(self.booked, owner)
         return int(value) if value is not None else 0
+
+
+def _reserves(leases: dict[Any, Any]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for lease_id, value in leases.items():
+        if str(lease_id).endswith(RESERVE_SUFFIX):
+            holder, _, blocks = str(value).rpartition(" ")
+            held[holder] = int(blocks)
+    return held
 
 
 def start_kvgates(
@@ -151,22 +180,31 @@ def admissible_blocks(kvgate: KvgateProcess) -> int:
 def consistent(
     client: redis.Redis, keys: SharedKeys, kvgates: Sequence[KvgateProcess], *, views: bool = False
 ) -> bool:
-    """Redis's total equals the sum of the processes' own reservations, read between two equal
-    reads of the total (so no lease came or went while the ledgers were read). With `views`,
-    each process's view of the backend's reservations equals that total too."""
+    """Redis's blocks booked for requests equal the sum of the processes' own reservations,
+    read between two equal reads (so no lease came or went while the ledgers were read). With
+    `views`, each process's view of the backend's reservations equals the total less its own
+    reserve (the others' reserves are booked for it; its own is its room)."""
     try:
-        before = keys.booked_total(client)
+        before = keys.requests_booked(client)
         own = sum(own_reserved_blocks(k) for k in kvgates)
-        seen = [viewed_reserved_blocks(k) for k in kvgates] if views else []
-        after = keys.booked_total(client)
+        seen = [(viewed_reserved_blocks(k), owner_of(k)) for k in kvgates] if views else []
+        reserves = keys.reserves(client)
+        total = keys.booked_total(client)
+        after = keys.requests_booked(client)
     except (redis.RedisError, httpx.HTTPError):
         return False
-    return before == after == own and all(view == before for view in seen)
+    return before == after == own and all(view == total - reserves.get(owner, 0) for view, owner in seen)
+
+
+def owner_of(kvgate: KvgateProcess) -> str:
+    """The process's name in the shared ledger."""
+    return str(kvgate.state()["shared_ledger"]["owner"])
 
 
 def redis_idle(client: redis.Redis, keys: SharedKeys) -> bool:
-    """No lease left: the total is 0 and the lease hash is empty."""
-    return keys.booked_total(client) == 0 and client.hlen(keys.lease) == 0
+    """No request's lease left: the total is the reserves' and only reserves are leased."""
+    reserves = keys.reserves(client)
+    return keys.booked_total(client) == sum(reserves.values()) and client.hlen(keys.lease) == len(reserves)
 
 
 # -- streams ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ PURE_GATEWAY_MODULES = (
     "gateway.output_model",
     "gateway.pace",
     "gateway.recent",
+    "gateway.reserve",
     "gateway.routing",
     "gateway.rates",
     "gateway.shared_view",

@@ -23,7 +23,7 @@ from conftest import bound_socket
 from redis_server import running_redis
 
 from gateway.cli import build_parser, main
-from gateway.redis_store import KeyNames
+from gateway.redis_store import RESERVE_LEASE, KeyNames
 from gateway.serve_cli import UsageError, overrides_from
 from gateway.settings import Settings, load_settings
 from gateway.workers import EXIT_FAILURE, SettingsSources, Supervisor, worker_message
@@ -360,11 +360,15 @@ def test_kvgate_serve_workers_share_the_port_and_the_budget(tmp_path: Path) -> N
                 )
                 assert response.status_code == 200, response.text
             # They are two processes of one deployment in Redis, their requests were booked
-            # there, and once every answer is in, nothing is booked any more.
+            # there, and once every answer is in, nothing is booked any more but the workers'
+            # standing reserves.
             deadline = time.monotonic() + 30
-            while store.zcard(keys.alive) != 2 or store.hget(keys.booked("default"), "total") != b"0":
+            lease = keys.backend("default")[0]
+            while store.zcard(keys.alive) != 2 or not all(
+                lease_id.endswith(f":{RESERVE_LEASE}".encode()) for lease_id in store.hkeys(lease)
+            ):
                 assert time.monotonic() < deadline, (
-                    f"alive: {store.zrange(keys.alive, 0, -1)}, booked: {store.hgetall(keys.booked('default'))}"
+                    f"alive: {store.zrange(keys.alive, 0, -1)}, leases: {store.hgetall(lease)}"
                 )
                 time.sleep(0.05)
         finally:
@@ -382,6 +386,9 @@ def test_kvgate_serve_workers_share_the_port_and_the_budget(tmp_path: Path) -> N
                 pytest.fail(f"workers {stuck} did not stop within 60 s of SIGTERM:\n{output.read_text()}")
             assert code == 0, output.read_text()
             assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
-        # Each worker stopped as a lone kvgate does: it left the deployment's processes.
+        # Each worker stopped as a lone kvgate does: it left the deployment's processes and
+        # gave its reserve back.
         assert store.zcard(keys.alive) == 0
+        assert store.hget(keys.booked("default"), "total") == b"0"
+        assert store.hlen(lease) == 0
         store.close()

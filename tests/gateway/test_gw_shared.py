@@ -18,7 +18,7 @@ from redis_server import RedisServer, free_port, running_redis
 
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
-from gateway.redis_store import KeyNames
+from gateway.redis_store import RESERVE_LEASE, KeyNames
 from gateway.router import Router
 from gateway.settings import Settings
 from sim.config import SimConfig
@@ -38,6 +38,7 @@ LONG_ANSWERS = SimConfig(
 )
 # Three gateways in one process poll the emulator: less often than alone, to leave the loop time.
 SHARED_TEST_SETTINGS = {**TEST_SETTINGS, "metrics_poll_interval_s": 0.05}
+RESERVE_ID_END = f":{RESERVE_LEASE}".encode()
 
 
 @dataclass
@@ -49,8 +50,33 @@ class Sharing:
     keys: KeyNames
 
     async def booked(self, backend: str = "default") -> int:
-        value = await self.redis.hget(self.keys.booked(backend), "total")
-        return int(value or 0)
+        """The blocks booked for requests: the total less the gateways' standing reserves
+        (gateway.reserve), read in one transaction."""
+        total, reserves = await self.booked_and_reserves(backend)
+        return total - reserves
+
+    async def booked_and_reserves(self, backend: str = "default") -> tuple[int, int]:
+        """Redis's total (every lease) and the reserves' part of it."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            total, leases = (
+                await pipe.hget(self.keys.booked(backend), "total")
+                .hgetall(self.keys.backend(backend)[0])
+                .execute()
+            )
+        return int(total or 0), sum(_reserves(leases).values())
+
+    async def reserves(self, backend: str = "default") -> dict[str, int]:
+        """Owner -> the blocks of its reserve, for the gateways that hold one."""
+        return _reserves(await self.redis.hgetall(self.keys.backend(backend)[0]))
+
+
+def _reserves(leases: dict[bytes, bytes]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for lease, value in leases.items():
+        if lease.endswith(RESERVE_ID_END):
+            owner, _, blocks = value.decode().rpartition(" ")
+            held[owner] = int(blocks)
+    return held
 
 
 @contextlib.asynccontextmanager
@@ -111,13 +137,15 @@ async def test_three_gateways_never_book_more_than_one_budget(
     redis_service: RedisServer, redis_prefix: str
 ) -> None:
     async with gateways_sharing(3, redis_service, redis_prefix) as sharing:
-        most_booked = most_running = 0
+        most_booked = most_total = most_running = 0
         stop = asyncio.Event()
 
         async def watch() -> None:
-            nonlocal most_booked, most_running
+            nonlocal most_booked, most_total, most_running
             while not stop.is_set():
-                most_booked = max(most_booked, await sharing.booked())
+                total, reserves = await sharing.booked_and_reserves()
+                most_booked = max(most_booked, total - reserves)
+                most_total = max(most_total, total)
                 most_running = max(most_running, in_flight(sharing))
                 await asyncio.sleep(0.005)
 
@@ -129,7 +157,7 @@ async def test_three_gateways_never_book_more_than_one_budget(
         await watcher
         assert [r.status_code for r in responses] == [200] * 9
         assert most_running == 3
-        assert 32 < most_booked <= 63
+        assert 32 < most_booked <= most_total <= 63
         assert sharing.sim.runtime.state()["num_preemptions_total"] == 0
         assert in_flight(sharing) == 0
         await booked_becomes(sharing, 0)
@@ -137,14 +165,25 @@ async def test_three_gateways_never_book_more_than_one_budget(
         assert state["connected"] is True
         assert state["processes"] == 3
         assert state["key_prefix"] == redis_prefix
-        # Each gateway hears of the others' releases at its next round trip (its next scrape).
-        await wait_until(
-            lambda: all(r.backends[0].ledger.totals().reserved_blocks == 0 for r in sharing.routers),
-            5.0,
-            "every gateway to hear that the others released",
-        )
+
+        # Each gateway hears of the others' releases at its next round trip (its next scrape):
+        # what it counts as reserved is then the others' standing reserves alone.
+        async def heard_the_releases() -> bool:
+            reserves = await sharing.reserves()
+            return all(
+                r.backends[0].ledger.totals().reserved_blocks
+                == sum(blocks for owner, blocks in reserves.items() if owner != r.shared.owner)  # type: ignore[union-attr]
+                for r in sharing.routers
+            )
+
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not await heard_the_releases():
+            assert asyncio.get_running_loop().time() < deadline, (
+                "every gateway to hear that the others released"
+            )
+            await asyncio.sleep(0.01)
         ledger = (await sharing.clients[0].get("/admin/state")).json()["backends"][0]["ledger"]
-        assert ledger["own_reserved_blocks"] == ledger["reserved_blocks"] == 0
+        assert ledger["own_reserved_blocks"] == 0
 
 
 def own_reserved(sharing: Sharing) -> int:
@@ -317,3 +356,75 @@ class RedisAt:
     """A Redis reached at `url` (for gateways_sharing, which needs only the URL)."""
 
     url: str
+
+
+async def reserve_admissions(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    (line,) = [
+        line
+        for line in text.splitlines()
+        if line.startswith('kvgate_shared_ledger_reserve_admissions_total{backend="default"} ')
+    ]
+    return float(line.split()[1])
+
+
+async def reserves_become(sharing: Sharing, check: Any, what: str, timeout_s: float = 5.0) -> dict[str, int]:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check(reserves := await sharing.reserves()):
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: the reserves are {reserves}"
+        await asyncio.sleep(0.01)
+    return reserves
+
+
+async def test_while_nobody_waits_a_request_is_admitted_from_the_reserve_and_its_lease_follows(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(1, redis_service, redis_prefix) as sharing:
+        (router,), (client,) = sharing.routers, sharing.clients
+        assert router.shared is not None
+        # Alone before a 63-block budget: half the room, ahead.
+        await reserves_become(
+            sharing, lambda held: held.get(router.shared.owner) == 63 // 2, "a reserve held"
+        )
+        before = await reserve_admissions(client)
+        request = asyncio.create_task(client.post("/v1/completions", json=LONG))
+        await wait_until(lambda: in_flight(sharing) == 1, 5.0, "the request admitted")
+        assert await reserve_admissions(client) == before + 1
+        # Its lease is made in Redis after it was admitted, out of the reserve's blocks.
+        await booked_becomes(sharing, 16)
+        assert (await request).status_code == 200
+        await booked_becomes(sharing, 0)
+        await reserves_become(
+            sharing, lambda held: held.get(router.shared.owner) == 63 // 2, "the reserve again"
+        )
+        # A request larger than the reserve is booked in Redis, its reserve given back first.
+        big = {**LONG, "max_tokens": 32 * 32 - 2}
+        assert (await client.post("/v1/completions", json=big)).status_code == 200
+        assert await reserve_admissions(client) == before + 1
+    # A gateway that stops gives its reserve back.
+    store = aioredis.Redis.from_url(redis_service.url)
+    try:
+        assert await store.hlen(sharing.keys.backend("default")[0]) == 0
+        assert int(await store.hget(sharing.keys.booked("default"), "total") or 0) == 0
+    finally:
+        await store.aclose()
+
+
+async def test_every_reserve_is_given_back_while_a_request_waits_for_the_backend(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(2, redis_service, redis_prefix, sim_config=LONG_ANSWERS) as sharing:
+        await reserves_become(sharing, lambda held: len(held) == 2, "both gateways holding a reserve")
+        # Three reserve 48 of the 63 blocks; the fourth waits for one of them to end.
+        requests = [
+            asyncio.create_task(sharing.clients[0].post("/v1/completions", json=LONG)) for _ in range(4)
+        ]
+        await wait_until(lambda: in_flight(sharing) == 3, 5.0, "three admitted")
+        waiting = sharing.routers[0].fleet.queue("tiny-llama")
+        assert len(waiting) == 1
+        # The waiting gateway gives its reserve back at once; the other when it reads the
+        # first's published queue (at their scrapes).
+        await reserves_become(sharing, lambda held: not held, "every reserve given back")
+        responses = await asyncio.gather(*requests)
+        assert [r.status_code for r in responses] == [200] * 4
+        await reserves_become(sharing, lambda held: len(held) == 2, "the reserves again once nobody waits")

@@ -29,6 +29,7 @@ class Scripts:
         self.book_script = client.register_script(_script("book"))
         self.release_script = client.register_script(_script("release"))
         self.renew_script = client.register_script(_script("renew"))
+        self.reserve_script = client.register_script(_script("reserve"))
 
     async def book(
         self,
@@ -70,6 +71,28 @@ class Scripts:
             keys=[*self.keys.backend(backend), self.keys.alive], args=args
         )
         return int(others), int(alive), [v.decode() for v in views]
+
+    async def reserve(
+        self,
+        owner: str,
+        backend: str,
+        *,
+        cap: int,
+        target: int = -1,
+        share: int = 1,
+        takes: list[tuple[str, int]] | None = None,
+        ttl_ms: int = TTL_MS,
+    ) -> tuple[int, int]:
+        """The reserve script: (the reserve's blocks, others' booked blocks)."""
+        args: list[str | int] = [owner, ttl_ms, f"{owner}:reserve", cap, target, share]
+        for lease, blocks in takes or []:
+            args += [lease, blocks]
+        held, others = await self.reserve_script(keys=self.keys.backend(backend), args=args)
+        return int(held), int(others)
+
+    async def lease(self, backend: str, lease: str) -> str | None:
+        value = await self.client.hget(self.keys.backend(backend)[0], lease)
+        return value.decode() if value is not None else None
 
     async def booked(self, backend: str, field: str = "total") -> int:
         return int(await self.client.hget(self.keys.booked(backend), field) or 0)
@@ -154,3 +177,59 @@ async def test_a_peer_entry_that_is_not_ours_binds_nobody_and_is_dropped(
     assert await client.hlen(peer) == 0
     others, alive, views = await scripts.renew("p1", "a", [("p1:1", 6)])
     assert (others, alive, views) == (0, 1, [])
+
+
+async def test_a_reserve_grows_to_its_share_of_the_room_under_the_smallest_cap(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    await scripts.book("p2", {"a": 40}, [("p2:1", [("a", 10)])])
+    # 40 - 10 = 30 blocks of room, a fourth of it at most.
+    assert await scripts.reserve("p1", "a", cap=40, target=100, share=4) == (7, 10)
+    assert await scripts.booked("a") == 17
+    # Another process published a smaller cap, 15, with 17 booked: the reserve does not grow
+    # past it, and gives back the 2 blocks over it.
+    await scripts.renew("p3", "a", [], view="[0,0,0,0,0,0,0,0]", cap=15)
+    assert await scripts.reserve("p1", "a", cap=40, target=100, share=1) == (5, 10)
+    assert await scripts.booked("a") == 15
+    # A smaller target shrinks it at once; 0 gives it back whole.
+    assert await scripts.reserve("p1", "a", cap=40, target=2) == (2, 10)
+    assert await scripts.reserve("p1", "a", cap=40, target=0) == (0, 10)
+    assert await scripts.lease("a", "p1:reserve") is None
+    assert (await scripts.booked("a"), await scripts.booked("a", "p1")) == (10, 0)
+
+
+async def test_a_take_moves_blocks_from_the_reserve_to_the_request_lease_once(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    assert await scripts.reserve("p1", "a", cap=30, target=12) == (12, 0)
+    assert await scripts.reserve("p1", "a", cap=30, takes=[("p1:1", 5), ("p1:2", 4)]) == (3, 0)
+    assert await scripts.booked("a") == 12  # the total did not move
+    assert (await scripts.lease("a", "p1:1"), await scripts.lease("a", "p1:2")) == ("p1 5", "p1 4")
+    # Sent again (its answer was lost): nothing changes.
+    assert await scripts.reserve("p1", "a", cap=30, takes=[("p1:1", 5)]) == (3, 0)
+    assert await scripts.booked("a") == 12
+    # The request's lease is an ordinary lease: released like one, its blocks leave the total.
+    await scripts.release("p1", "a", [("p1:1", 0)])
+    assert await scripts.booked("a") == 7
+    # More than the reserve holds (it expired or was given back meanwhile): the rest is
+    # booked as a renewal books a running request, and the reserve is gone.
+    assert await scripts.reserve("p1", "a", cap=30, takes=[("p1:3", 6)]) == (0, 0)
+    assert await scripts.lease("a", "p1:reserve") is None
+    assert await scripts.booked("a") == 4 + 6
+    # Takes first, then the new size, in one call.
+    assert await scripts.reserve("p1", "a", cap=30, target=5, share=1, takes=[("p1:4", 1)]) == (5, 0)
+    assert await scripts.booked("a") == 4 + 6 + 1 + 5
+
+
+async def test_a_reserve_that_is_not_renewed_expires_like_a_lease(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    scripts = Scripts(client, redis_prefix)
+    assert await scripts.reserve("p1", "a", cap=30, target=8, ttl_ms=100) == (8, 0)
+    assert await scripts.booked("a", "p1") == 8
+    await asyncio.sleep(0.25)
+    # Any call on the backend sweeps it.
+    assert await scripts.book("p2", {"a": 30}, [("p2:1", [("a", 30)])]) == ["a"]
+    assert (await scripts.booked("a"), await scripts.booked("a", "p1")) == (30, 0)

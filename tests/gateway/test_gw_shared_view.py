@@ -3,7 +3,7 @@ this process's own requests, and what it may promise while Redis is away (pure).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from test_gw_ledger import demand
 
@@ -26,7 +26,9 @@ def test_the_others_bookings_and_views_add_to_this_process_own() -> None:
     ledger.open(1, demand(), 0.0)
     own = ledger.own_totals()
     ledger.heard(
-        40, {"p2": PeerView(10, 6, 2, 1, 3, 50, 2, 0), "p3": PeerView(5, 5, 1, 0, 1, 7, 0, 0)}, processes=3
+        40,
+        {"p2": PeerView(10, 6, 2, 1, 3, 50, 2, 0, 9), "p3": PeerView(5, 5, 1, 0, 1, 7, 0, 0, 3)},
+        processes=3,
     )
     totals = ledger.totals()
     assert totals.reserved_blocks == own.reserved_blocks + 40
@@ -38,6 +40,8 @@ def test_the_others_bookings_and_views_add_to_this_process_own() -> None:
     assert split.settled_blocks == own.held_blocks + 11
     assert split.fresh_blocks == 4
     assert split.settled_sequences == 1 + 3
+    # What the others' requests are certain still to grow into is no room for anyone.
+    assert split.certain_growth_blocks == own_split_growth(ledger) + 9 + 3
     assert ledger.released_blocks == 57
     assert ledger.others_waiting == 2
     assert ledger.standing().share == 1.0
@@ -72,9 +76,29 @@ def test_changes_of_a_reservation_reach_the_sink_once() -> None:
     assert dict(ledger.leases()) == {}
 
 
+def own_split_growth(ledger: SharedLedger) -> int:
+    return ledger.view(settled_before=10.0).certain_growth_blocks
+
+
+def test_a_process_publishes_what_its_requests_are_certain_to_grow_into() -> None:
+    ledger = SharedLedger("a", Sink())
+    floored = replace(demand(prompt=20, expected=300, cap=300), floor_output_tokens=300)
+    entry = ledger.open(1, floored, 0.0)
+    ledger.open(2, demand(prompt=20, expected=30, cap=100), 0.0)  # no floor: no certain growth
+    assert floored.floor_blocks - entry.held_blocks > 0
+    assert own_split_growth(ledger) == floored.floor_blocks - entry.held_blocks
+    # Published, it is the others' certain growth in another process's split.
+    other = SharedLedger("a", Sink())
+    other.heard(floored.reserved_blocks, {"p1": ledger.view(10.0)})
+    assert other.held_split(10.0).certain_growth_blocks == floored.floor_blocks - entry.held_blocks
+
+
 def test_a_published_view_round_trips_and_junk_is_refused() -> None:
-    view = PeerView(1, 2, 3, 4, 5, 6, 7, 8)
+    view = PeerView(1, 2, 3, 4, 5, 6, 7, 8, 9)
     assert PeerView.from_text(view.to_text()) == view
+    # A rolling update: an older process's view lacks the newest field, a newer one's has more.
+    assert PeerView.from_text("[1,2,3,4,5,6,7,8]") == PeerView(1, 2, 3, 4, 5, 6, 7, 8, 0)
+    assert PeerView.from_text("[1,2,3,4,5,6,7,8,9,10]") == view
     for junk in (
         "",
         "[1,2]",
