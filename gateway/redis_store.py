@@ -148,10 +148,8 @@ class _Trip:
     renew: bool
 
     def empty(self) -> bool:
-        return not (
-            self.takes or self.bookings or self.sizes or self.publishing or self.renew
-            or any(pending for _, pending in self.changes)
-        )  # fmt: skip
+        changes = any(pending for _, pending in self.changes)
+        return not (self.takes or self.bookings or self.sizes or self.publishing or self.renew or changes)
 
 
 @dataclass(slots=True)
