@@ -206,15 +206,13 @@ def _storm(kvgate: KvgateProcess, sim: SimProcess, streaming: int, queued: int) 
 
 def test_a_disconnect_storm_leaves_nothing_behind(tmp_path: Path) -> None:
     # 250 streams of 10 blocks (2 prompt + 150 output tokens) fill the 2,500 usable blocks;
-    # 250 more must queue (no overcommit: the pool is what this storm fills). Steps of 0.5 s:
-    # the streams outlast both 30 s waits below, so no stream ends (and lets a queued request
-    # in) before all 250 are queued, however slowly a loaded machine sends them.
+    # 250 more must queue (no overcommit: the pool is what this storm fills).
     config = SimConfig(
         engine=EngineConfig(
             num_blocks=2501,
             block_size=16,
             max_num_seqs=512,
-            step_cost=StepCost(base_s=0.5, per_token_s=0.0, per_seq_s=0.0, per_request_s=0.0),
+            step_cost=StepCost(base_s=0.05, per_token_s=0.0, per_seq_s=0.0, per_request_s=0.0),
         )
     )
     sim = SimProcess(config)
