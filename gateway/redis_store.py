@@ -148,8 +148,10 @@ class _Trip:
     renew: bool
 
     def empty(self) -> bool:
-        changes = any(pending for _, pending in self.changes)
-        return not (self.takes or self.bookings or self.sizes or self.publishing or self.renew or changes)
+        return not (
+            self.takes or self.bookings or self.sizes or self.publishing or self.renew
+            or any(pending for _, pending in self.changes)
+        )  # fmt: skip
 
 
 @dataclass(slots=True)

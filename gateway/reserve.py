@@ -79,3 +79,7 @@ class Reserve:
         self.takes[:0] = self.sent
         self.sent = []
         self.available = 0
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.takes)

@@ -17,16 +17,13 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-from gateway.redis_store import RESERVE_LEASE
 
 REDIS_SERVER = "/usr/bin/redis-server"
 STARTUP_TIMEOUT_S = 20.0
@@ -34,27 +31,6 @@ POLL_S = 0.01
 
 
 PR_SET_PDEATHSIG = 1
-RESERVE_ID_END = f":{RESERVE_LEASE}"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def is_reserve(lease_id: Any) -> bool:
-    """Whether a lease id (bytes or str) is a process's standing reserve (gateway.reserve)."""
-    return _text(lease_id).endswith(RESERVE_ID_END)
-
-
-def reserves_in(leases: Mapping[Any, Any]) -> dict[str, int]:
-    """Owner -> the blocks of its standing reserve, from an HGETALL of a backend's lease hash
-    (values "<owner> <blocks>", bytes or str)."""
-    held: dict[str, int] = {}
-    for lease_id, value in leases.items():
-        if is_reserve(lease_id):
-            owner, _, blocks = _text(value).rpartition(" ")
-            held[owner] = int(blocks)
-    return held
 
 
 def _die_with_parent() -> None:

@@ -27,10 +27,12 @@ from typing import Any
 import httpx
 import redis
 from faultkit import KvgateProcess, sse_events, start_kvgate
-from redis_server import is_reserve, reserves_in
+
+from gateway.redis_store import RESERVE_LEASE
 
 BACKEND = "default"
 PREFIX = "kvgate"
+RESERVE_SUFFIX = f":{RESERVE_LEASE}"
 LEASE_TTL_S = 2.0
 # Streams before any of these fail are answered; the few-second polls below are bounds on
 # liveness (the system must get there at all), not performance targets.
@@ -87,14 +89,14 @@ class SharedKeys:
 
     def reserves(self, client: redis.Redis) -> dict[str, int]:
         """Owner -> the blocks of its standing reserve (gateway.reserve), for those that hold one."""
-        return reserves_in(client.hgetall(self.lease))
+        return _reserves(client.hgetall(self.lease))
 
     def requests_booked(self, client: redis.Redis) -> int:
         """The blocks booked for requests: the total less the reserves, read in one transaction."""
         total, leases = (
             client.pipeline(transaction=True).hget(self.booked, "total").hgetall(self.lease).execute()
         )
-        return int(total or 0) - sum(reserves_in(leases).values())
+        return int(total or 0) - sum(_reserves(leases).values())
 
     def owners_alive(self, client: redis.Redis) -> set[str]:
         return {str(owner) for owner in client.zrange(self.alive, 0, -1)}
@@ -104,7 +106,7 @@ class SharedKeys:
         return {
             str(value).rpartition(" ")[0]
             for lease_id, value in client.hgetall(self.lease).items()
-            if not is_reserve(lease_id)
+            if not str(lease_id).endswith(RESERVE_SUFFIX)
         }
 
     def leases_of(self, client: redis.Redis, owner: str) -> dict[str, int]:
@@ -112,7 +114,7 @@ class SharedKeys:
         leases: dict[str, int] = {}
         for lease_id, value in client.hgetall(self.lease).items():
             holder, _, blocks = str(value).rpartition(" ")
-            if holder == owner and not is_reserve(lease_id):
+            if holder == owner and not str(lease_id).endswith(RESERVE_SUFFIX):
                 leases[str(lease_id)] = int(blocks)
         return leases
 
@@ -120,6 +122,15 @@ class SharedKeys:
         """The blocks `owner` booked, its reserve included."""
         value = client.hget(self.booked, owner)
         return int(value) if value is not None else 0
+
+
+def _reserves(leases: dict[Any, Any]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for lease_id, value in leases.items():
+        if str(lease_id).endswith(RESERVE_SUFFIX):
+            holder, _, blocks = str(value).rpartition(" ")
+            held[holder] = int(blocks)
+    return held
 
 
 def start_kvgates(

@@ -20,10 +20,10 @@ import httpx
 import pytest
 import redis
 from conftest import bound_socket
-from redis_server import is_reserve, running_redis
+from redis_server import running_redis
 
 from gateway.cli import build_parser, main
-from gateway.redis_store import KeyNames
+from gateway.redis_store import RESERVE_LEASE, KeyNames
 from gateway.serve_cli import UsageError, overrides_from
 from gateway.settings import Settings, load_settings
 from gateway.workers import EXIT_FAILURE, SettingsSources, Supervisor, worker_message
@@ -364,7 +364,9 @@ def test_kvgate_serve_workers_share_the_port_and_the_budget(tmp_path: Path) -> N
             # standing reserves.
             deadline = time.monotonic() + 30
             lease = keys.backend("default")[0]
-            while store.zcard(keys.alive) != 2 or not all(map(is_reserve, store.hkeys(lease))):
+            while store.zcard(keys.alive) != 2 or not all(
+                lease_id.endswith(f":{RESERVE_LEASE}".encode()) for lease_id in store.hkeys(lease)
+            ):
                 assert time.monotonic() < deadline, (
                     f"alive: {store.zrange(keys.alive, 0, -1)}, leases: {store.hgetall(lease)}"
                 )

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 from conftest import READY_TIMEOUT_S, TEST_SETTINGS, wait_until
-from redis_server import RedisServer, free_port, reserves_in, running_redis
+from redis_server import RedisServer, free_port, running_redis
 
 from estimator.tokens import TokenCounter
 from gateway.app import create_app
-from gateway.redis_store import KeyNames
+from gateway.redis_store import RESERVE_LEASE, KeyNames
 from gateway.router import Router
 from gateway.settings import Settings
 from sim.config import SimConfig
@@ -38,6 +38,7 @@ LONG_ANSWERS = SimConfig(
 )
 # Three gateways in one process poll the emulator: less often than alone, to leave the loop time.
 SHARED_TEST_SETTINGS = {**TEST_SETTINGS, "metrics_poll_interval_s": 0.05}
+RESERVE_ID_END = f":{RESERVE_LEASE}".encode()
 
 
 @dataclass
@@ -62,11 +63,20 @@ class Sharing:
                 .hgetall(self.keys.backend(backend)[0])
                 .execute()
             )
-        return int(total or 0), sum(reserves_in(leases).values())
+        return int(total or 0), sum(_reserves(leases).values())
 
     async def reserves(self, backend: str = "default") -> dict[str, int]:
         """Owner -> the blocks of its reserve, for the gateways that hold one."""
-        return reserves_in(await self.redis.hgetall(self.keys.backend(backend)[0]))
+        return _reserves(await self.redis.hgetall(self.keys.backend(backend)[0]))
+
+
+def _reserves(leases: dict[bytes, bytes]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for lease, value in leases.items():
+        if lease.endswith(RESERVE_ID_END):
+            owner, _, blocks = value.decode().rpartition(" ")
+            held[owner] = int(blocks)
+    return held
 
 
 @contextlib.asynccontextmanager
