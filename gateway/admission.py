@@ -277,8 +277,9 @@ class AdmissionPolicy:
             return Decision(DecisionKind.REJECT, Reason.EXCEEDS_POOL)
         if all(t.budget.state is BudgetState.DOWN for t in targets):
             return Decision(DecisionKind.SHED, Reason.BACKEND_DOWN, RETRY_AFTER_DEFAULT_S)
-        # A suspect budget is settled by the next scrape, a moment away: wait for it in the queue.
-        if not any(t.budget.known or t.budget.state is BudgetState.SUSPECT for t in targets):
+        # A budget the next scrape settles (a request just failed to reach the backend, or a
+        # scrape is late but has not failed) is worth waiting for in the queue.
+        if not any(t.budget.known or t.budget.settles_soon for t in targets):
             return Decision(DecisionKind.SHED, Reason.BUDGET_UNKNOWN, RETRY_AFTER_DEFAULT_S)
         if now >= ask.deadline_at:
             return Decision(DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE, RETRY_AFTER_DEFAULT_S)

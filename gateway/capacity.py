@@ -118,6 +118,9 @@ class BudgetState(StrEnum):
 @dataclass(frozen=True, slots=True)
 class CapacityConfig:
     stale_after_s: float
+    # The time limit of one scrape: how long past `stale_after_s` a scrape in flight may still
+    # renew the reading.
+    scrape_timeout_s: float
     settle_s: float
     unknown_is_saturated: bool
     down_after_failures: int
@@ -227,10 +230,18 @@ class BudgetSnapshot:
     fraction: float
     age_s: float | None
     detail: str
+    # Stale, but no scrape has failed since the last good one and one still in flight may
+    # renew it: a backend slow to answer /metrics under load, not one whose budget is lost.
+    renewing: bool = False
 
     @property
     def free_blocks(self) -> int:
         return max(0, self.admissible_blocks - self.committed_blocks)
+
+    @property
+    def settles_soon(self) -> bool:
+        """Unknown now, but the next scrape, a moment away, settles it: worth waiting for."""
+        return not self.known and (self.state is BudgetState.SUSPECT or self.renewing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,8 +491,16 @@ class KvBudget:
             known, external = False, self._external
         standing = self._standing()
         detail = self._detail(state, age)
+        renewing = (
+            state is BudgetState.STALE
+            and not self._halted
+            and self._failures == 0
+            and age <= self._config.stale_after_s + self._config.scrape_timeout_s
+        )
+        if renewing:
+            detail = f"{detail}; a scrape in flight may renew it"
         if standing.unavailable:
-            known, detail = False, f"{standing.unavailable}; {detail}"
+            known, renewing, detail = False, False, f"{standing.unavailable}; {detail}"
         elif standing.share < 1.0:
             detail = f"{detail}; promising {standing.share:.0%} of it (the shared ledger is unreachable)"
         total = reading.total_blocks
@@ -497,6 +516,7 @@ class KvBudget:
             fraction=self.limit.fraction,
             age_s=age,
             detail=detail,
+            renewing=renewing,
         )
 
     def _detail(self, state: BudgetState, age: float | None) -> str:

@@ -402,7 +402,11 @@ async def _drive(
         )
 
     client_box = [new_client()]
-    control = httpx.AsyncClient(base_url=url, headers=admin, timeout=10)
+    # One connection: the sampler and the quiet point never make it open a second, which would
+    # stay open (kept alive) and count as a grown descriptor.
+    control = httpx.AsyncClient(
+        base_url=url, headers=admin, timeout=10, limits=httpx.Limits(max_connections=1)
+    )
     sim_control = httpx.AsyncClient(base_url=sim.url, timeout=10)
 
     async def admin_state() -> dict[str, Any]:
@@ -454,7 +458,11 @@ async def _drive(
         gate.clear()
         return phase
 
-    async def quiet_point() -> Quiet:
+    async def quiet_point(most_fds: int | None = None) -> Quiet:
+        """Descriptors and tasks once the gateway is idle. With `most_fds`, the readings go on
+        (past the keep-alive expiry) until no more descriptors than that are open: a connection
+        that two overlapping calls opened (a scrape and a discovery, say) stays idle in a pool
+        until it expires, while a leaked one never goes."""
         phase_name[0] = "quiet"
         (await sim_control.delete("/sim/faults")).raise_for_status()
         await busy.idle.wait()
@@ -476,13 +484,14 @@ async def _drive(
         # The probe's connection closed: let the server notice before counting descriptors
         # (equal readings for half a second: on a loaded machine a close can take longer than a
         # few readings to be seen), bounded so that a leak shows rather than hangs.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 5 + (KEEPALIVE_EXPIRY_WAIT_S if most_fds is not None else 0)
         readings: list[Quiet] = []
         while True:
             readings.append(_quiet_from(await admin_state(), time.monotonic() - started, fd_kinds()))
             last = readings[-SETTLED_READINGS:]
             settled = len(last) == SETTLED_READINGS and len({(q.fds, q.tasks) for q in last}) == 1
-            if (settled and last[-1].ledger_entries == 0) or time.monotonic() > deadline:
+            within = most_fds is None or last[-1].fds <= most_fds
+            if (settled and within and last[-1].ledger_entries == 0) or time.monotonic() > deadline:
                 return readings[-1]
             await asyncio.sleep(0.05)
 
@@ -510,7 +519,7 @@ async def _drive(
                     f"sent={tally.sent} {dict(tally.results)}",
                     file=sys.stderr,
                 )
-        final = await quiet_point()
+        final = await quiet_point(baseline.fds + config.max_fd_growth)
         metrics_text = (await control.get("/metrics")).text
     finally:
         stop.set()

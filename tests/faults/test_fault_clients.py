@@ -176,29 +176,37 @@ def _storm(kvgate: KvgateProcess, sim: SimProcess, streaming: int, queued: int) 
             "ignore_eos": True,
             "stream": True,
         }
-        writers = await _open_streams(kvgate.url, streaming, long_stream)
-        await asyncio.to_thread(
-            poll_until,
-            lambda: state()["backends"][0]["ledger"]["entries"] == streaming,
-            30,
-            f"{streaming} streams admitted",
-        )
-        # The pool is now full: these wait in kvgate's queue.
-        writers += await _open_streams(kvgate.url, queued, {**long_stream, "stream": False})
-        await asyncio.to_thread(
-            poll_until,
-            lambda: sum(state()["backends"][0]["queue"]["depth"].values()) == queued,
-            30,
-            f"{queued} requests queued",
-        )
-        for writer in writers:  # everyone at once: a reset, not a polite close
-            writer.transport.abort()
-        aborted = time.monotonic()
-        await asyncio.to_thread(poll_until, lambda: ledger_balanced(state()), 5, "queue and ledger at zero")
-        took = time.monotonic() - aborted
-        for writer in writers:
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        writers: list[asyncio.StreamWriter] = []
+        try:
+            writers += await _open_streams(kvgate.url, streaming, long_stream)
+            await asyncio.to_thread(
+                poll_until,
+                lambda: state()["backends"][0]["ledger"]["entries"] == streaming,
+                30,
+                f"{streaming} streams admitted",
+            )
+            # The pool is now full: these wait in kvgate's queue.
+            writers += await _open_streams(kvgate.url, queued, {**long_stream, "stream": False})
+            await asyncio.to_thread(
+                poll_until,
+                lambda: sum(state()["backends"][0]["queue"]["depth"].values()) == queued,
+                30,
+                f"{queued} requests queued",
+            )
+            for writer in writers:  # everyone at once: a reset, not a polite close
+                writer.transport.abort()
+            aborted = time.monotonic()
+            await asyncio.to_thread(
+                poll_until, lambda: ledger_balanced(state()), 5, "queue and ledger at zero"
+            )
+            took = time.monotonic() - aborted
+        finally:
+            # Whatever happened, no socket outlives the test (a failure must not leak into the next).
+            for writer in writers:
+                writer.transport.abort()
+            for writer in writers:
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
         return took
 
     return asyncio.run(run())

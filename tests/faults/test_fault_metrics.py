@@ -119,6 +119,34 @@ def test_slow_metrics_within_the_timeout_keep_the_budget_fresh(sim: SimServer) -
         assert kvgate.call(lambda: kvgate.gateway.poller.failures) == 0
 
 
+def test_a_scrape_late_past_staleness_but_within_its_time_limit_queues_arrivals(sim: SimServer) -> None:
+    """Each scrape takes 0.35 s of the 0.5 s a reading stays fresh, so the budget is stale for
+    a while before each one lands: arrivals then wait for it in the queue, none is refused."""
+    with served_gateway(
+        sim.url, metrics_poll_interval_s=0.05, metrics_stale_after_s=0.5, metrics_timeout_s=1.5
+    ) as kvgate:
+        set_faults(sim.url, metrics_delay_s=0.35)
+        kvgate.wait_until(lambda gw: gw.poller.failures == 0 and gw.snapshot().age_s is not None)
+        seen_stale = 0
+        statuses = []
+        for _ in range(40):
+            seen_stale += budget_state(kvgate) == "stale"
+            statuses.append(httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=10).status_code)
+            time.sleep(0.03)
+        assert seen_stale > 0, "the budget was never stale: the test proved nothing"
+        assert statuses == [200] * 40
+        assert kvgate.call(lambda: kvgate.gateway.poller.failures) == 0
+        # A scrape that fails makes arrivals 503 again at once.
+        set_faults(sim.url, metrics_delay_s=0.0, metrics_mode="malformed")
+        kvgate.wait_until(
+            lambda gw: gw.snapshot().state is BudgetState.STALE and gw.poller.failures > 0,
+            what="a failed scrape and the budget stale",
+        )
+        assert_refused_as_unknown(kvgate)
+        clear_faults(sim.url)
+        assert_serves(kvgate)
+
+
 def test_queued_requests_wait_while_unknown_and_are_admitted_when_sane(
     kvgate: Served, sim: SimServer
 ) -> None:

@@ -30,7 +30,12 @@ POLICY = AdmissionPolicy(CONFIG)
 
 
 def budget(
-    free: int, *, total: int = 100, state: BudgetState = BudgetState.FRESH, known: bool = True
+    free: int,
+    *,
+    total: int = 100,
+    state: BudgetState = BudgetState.FRESH,
+    known: bool = True,
+    renewing: bool = False,
 ) -> BudgetSnapshot:
     return BudgetSnapshot(
         state=state,
@@ -44,6 +49,7 @@ def budget(
         fraction=1.0,
         age_s=0.0,
         detail="",
+        renewing=renewing,
     )
 
 
@@ -86,6 +92,8 @@ def ask(
         (ask(5), budget(0, known=False, state=BudgetState.DOWN), 0.0, DecisionKind.SHED, Reason.BACKEND_DOWN),
         # Suspect (a request just failed to reach the backend): wait in the queue for the next scrape.
         (ask(5), budget(50, known=False, state=BudgetState.SUSPECT), 0.0, None, None),
+        # Stale, but a scrape in flight may renew it: wait for it in the queue too.
+        (ask(5), budget(50, known=False, state=BudgetState.STALE, renewing=True), 0.0, None, None),
         (ask(5, deadline=1.0), budget(50), 1.0, DecisionKind.SHED, Reason.DEADLINE_UNREACHABLE),
     ],
 )

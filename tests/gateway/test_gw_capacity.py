@@ -13,6 +13,7 @@ from gateway.vllm_metrics import BackendReading
 
 CONFIG = CapacityConfig(
     stale_after_s=1.0,
+    scrape_timeout_s=0.5,
     settle_s=0.5,
     unknown_is_saturated=True,
     down_after_failures=2,
@@ -190,6 +191,30 @@ def test_a_failed_request_makes_the_budget_suspect_until_a_newer_scrape() -> Non
     budget.observe_failure("refused", unreachable=True, now=11.1)
     budget.observe_failure("refused", unreachable=True, now=11.2)
     assert budget.state(11.2) is BudgetState.DOWN
+
+
+def test_a_late_scrape_that_has_not_failed_may_still_renew_a_stale_budget() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0), started_at=10.0, now=10.0)
+    assert not budget.snapshot(10.9).renewing  # fresh: nothing to renew
+    late = budget.snapshot(11.2)  # stale, within one scrape's time limit past it
+    assert (late.state, late.known, late.renewing, late.settles_soon) == (
+        BudgetState.STALE,
+        False,
+        True,
+        True,
+    )
+    assert "in flight" in late.detail
+    # Past the time limit no scrape in flight can renew it any more.
+    gone = budget.snapshot(11.6)
+    assert (gone.state, gone.renewing, gone.settles_soon) == (BudgetState.STALE, False, False)
+    # A failed scrape settles it the other way at once.
+    budget.observe_failure("timed out", unreachable=False, now=11.1)
+    assert not budget.snapshot(11.2).renewing
+    # Nobody reads the metrics any more: nothing is in flight.
+    budget.observe(reading(0.0), started_at=20.0, now=20.0)
+    budget.halt("the poller ended")
+    assert not budget.snapshot(20.1).settles_soon
 
 
 def test_a_resized_pool_resets_the_counter_baseline() -> None:
