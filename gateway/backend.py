@@ -48,6 +48,7 @@ _REQUEST_ID_HEADER = REQUEST_ID_HEADER.encode("latin-1")
 def capacity_config(settings: Settings) -> CapacityConfig:
     return CapacityConfig(
         stale_after_s=settings.metrics_stale_after_s,
+        scrape_interval_s=settings.metrics_poll_interval_s,
         scrape_timeout_s=settings.metrics_timeout_s,
         settle_s=settings.settle_s,
         unknown_is_saturated=settings.unknown_budget == "saturated",

@@ -236,7 +236,9 @@ class MetricsPoller:
                 self._count_failure(self._budget.last_error)
         except _UnreachableError as exc:
             self._fail(str(exc), unreachable=True)
-        except (httpx.HTTPError, MetricsFormatError, TimeoutError) as exc:
+        except TimeoutError as exc:
+            self._fail(_describe(exc), unreachable=False, slow=True)
+        except (httpx.HTTPError, MetricsFormatError) as exc:
             self._fail(_describe(exc), unreachable=False)
         except Exception as exc:  # a case nobody foresaw: still only a failed scrape
             self._fail(f"unexpected {type(exc).__name__}: {exc}", unreachable=False, exc=exc)
@@ -304,10 +306,12 @@ class MetricsPoller:
         finally:
             self._parse_s = self._clock() - parse_started
 
-    def _fail(self, message: str, *, unreachable: bool, exc: BaseException | None = None) -> None:
+    def _fail(
+        self, message: str, *, unreachable: bool, slow: bool = False, exc: BaseException | None = None
+    ) -> None:
         message = self._scrub(message)
         self._count_failure(message, exc)
-        self._budget.observe_failure(message, unreachable=unreachable, now=self._clock())
+        self._budget.observe_failure(message, unreachable=unreachable, slow=slow, now=self._clock())
 
     def _scrub(self, message: str) -> str:
         """/readyz shows the message: whatever a foreign library put in it, not the address."""

@@ -118,8 +118,9 @@ class BudgetState(StrEnum):
 @dataclass(frozen=True, slots=True)
 class CapacityConfig:
     stale_after_s: float
-    # The time limit of one scrape: how long past `stale_after_s` a scrape in flight may still
-    # renew the reading.
+    # How often a scrape starts and the time limit of each: how long past `stale_after_s` a
+    # scrape in flight may still renew the reading.
+    scrape_interval_s: float
     scrape_timeout_s: float
     settle_s: float
     unknown_is_saturated: bool
@@ -230,8 +231,9 @@ class BudgetSnapshot:
     fraction: float
     age_s: float | None
     detail: str
-    # Stale, but no scrape has failed since the last good one and one still in flight may
-    # renew it: a backend slow to answer /metrics under load, not one whose budget is lost.
+    # Stale, but the scrapes since the last good one were at worst too slow (fewer of them
+    # than mark a backend down) and one still in flight may renew it: a backend, or a gateway,
+    # slow under a burst, not a budget that is lost.
     renewing: bool = False
 
     @property
@@ -298,6 +300,7 @@ class KvBudget:
         self._external = 0
         self._failures = 0
         self._unreachable_failures = 0
+        self._slow_failures = 0  # failures in a row that were answers too slow, not wrong
         self._last_error = ""
         self._suspect_since: float | None = None
         # Why no reading will ever come again (the poller's task ended), else "".
@@ -423,13 +426,16 @@ class KvBudget:
             self._suspect_since = None
         self._failures = 0
         self._unreachable_failures = 0
+        self._slow_failures = 0
         self._last_error = ""
         return Reconciliation(preemptions, external, kept)
 
-    def observe_failure(self, error: str, *, unreachable: bool, now: float) -> None:
-        """A scrape failed: `unreachable` when no connection could be made at all."""
+    def observe_failure(self, error: str, *, unreachable: bool, now: float, slow: bool = False) -> None:
+        """A scrape failed: `unreachable` when no connection could be made at all, `slow` when
+        the backend took the request but did not answer it whole within the time limit."""
         self._failures += 1
         self._unreachable_failures = self._unreachable_failures + 1 if unreachable else 0
+        self._slow_failures = self._slow_failures + 1 if slow else 0
         self._last_error = error
         self.limit.observe(None, now)
 
@@ -491,12 +497,7 @@ class KvBudget:
             known, external = False, self._external
         standing = self._standing()
         detail = self._detail(state, age)
-        renewing = (
-            state is BudgetState.STALE
-            and not self._halted
-            and self._failures == 0
-            and age <= self._config.stale_after_s + self._config.scrape_timeout_s
-        )
+        renewing = state is BudgetState.STALE and not self._halted and self._renewable(age)
         if renewing:
             detail = f"{detail}; a scrape in flight may renew it"
         if standing.unavailable:
@@ -518,6 +519,17 @@ class KvBudget:
             detail=detail,
             renewing=renewing,
         )
+
+    def _renewable(self, age: float) -> bool:
+        """Whether the scrape in flight may still renew a stale reading `age` seconds old: no
+        scrape since the last good one gave a wrong answer, fewer than `down_after_failures`
+        were too slow (a busy backend, or a busy gateway), and the reading is no older than
+        those scrapes and the one in flight took at most."""
+        config = self._config
+        if self._failures != self._slow_failures or self._failures >= config.down_after_failures:
+            return False
+        scrapes = self._failures + 1
+        return age <= config.stale_after_s + scrapes * (config.scrape_interval_s + config.scrape_timeout_s)
 
     def _detail(self, state: BudgetState, age: float | None) -> str:
         error = f"; last error: {self._last_error}" if self._last_error else ""

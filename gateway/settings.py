@@ -265,7 +265,10 @@ class Settings(BaseSettings):
     backend_down_after_failures: int = Field(
         DEFAULT_BACKEND_DOWN_AFTER_FAILURES,
         ge=1,
-        description="consecutive unreachable scrapes that mark the backend down (queue answered 503)",
+        description=(
+            "consecutive unreachable scrapes that mark the backend down (queue answered 503);"
+            " as many too slow make arrivals 503 budget_unknown"
+        ),
     )
     settle_s: float = Field(
         DEFAULT_SETTLE_S,

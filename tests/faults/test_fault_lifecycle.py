@@ -36,21 +36,39 @@ from faultkit import (
 )
 
 from sim.config import SimConfig
+from sim.engine import EngineConfig, StepCost
 
 # 13 blocks each (2 prompt + 400 output tokens, 32 a block): four fill 52 of the 63 blocks, so
-# a fifth must queue. At 5 ms a step each stream runs about 2 s.
+# a fifth must queue. At 5 ms a step each stream runs about 2 s, at 20 ms about 8 s.
 STREAM = {**LONG_STREAM, "prompt": "a", "max_tokens": 400}
 QUEUED = {**STREAM, "stream": False}
 
 
-@pytest.fixture(scope="module")
-def sim() -> Iterator[SimProcess]:
-    process = SimProcess(SimConfig(engine=SLOW_STEPS))
+# The reload test queues two requests and reloads while the four streams run: at 20 ms a step
+# (about 8 s a stream) the streams outlast those steps on a loaded machine, where at 5 ms one
+# ended first and let a queued request in before both were seen queued.
+SLOWER_STEPS = EngineConfig(
+    step_cost=StepCost(base_s=0.02, per_token_s=0.0, per_seq_s=0.0, per_request_s=0.0)
+)
+
+
+def running_sim(engine: EngineConfig) -> Iterator[SimProcess]:
+    process = SimProcess(SimConfig(engine=engine))
     process.start()
     try:
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimProcess]:
+    yield from running_sim(SLOW_STEPS)
+
+
+@pytest.fixture
+def slower_sim() -> Iterator[SimProcess]:
+    yield from running_sim(SLOWER_STEPS)
 
 
 def stream_to_end(url: str, body: dict[str, Any]) -> tuple[int, list[str], str | None]:
@@ -168,14 +186,14 @@ def normal_queue_max(state: dict[str, Any]) -> int:
 
 
 def test_sighup_and_admin_reload_apply_settings_without_dropping_requests(
-    sim: SimProcess, tmp_path: Path
+    slower_sim: SimProcess, tmp_path: Path
 ) -> None:
     config = tmp_path / "kvgate.toml"
     write_config(config, priority_classes=normal_queue(8), output_quantile=0.9, first_byte_timeout_s=300.0)
     with (
         # No overcommit: the requests behind the four streams must wait, not be let in on room.
         kvgate_process(
-            sim.url, tmp_path / "kvgate.log", config_file=config, settings={"budget_overcommit": 0}
+            slower_sim.url, tmp_path / "kvgate.log", config_file=config, settings={"budget_overcommit": 0}
         ) as kvgate,
         ThreadPoolExecutor(8) as pool,
     ):

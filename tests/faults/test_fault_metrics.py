@@ -70,6 +70,12 @@ def budget_state(kvgate: Served) -> str:
 
 
 def assert_refused_as_unknown(kvgate: Served) -> None:
+    """Arrivals are refused once the budget is unknown and no scrape in flight may settle it
+    (a scrape too slow is given `backend_down_after_failures` tries first)."""
+    kvgate.wait_until(
+        lambda gw: not gw.snapshot().known and not gw.snapshot().settles_soon,
+        what="the budget unknown past renewal",
+    )
     response = httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=5)
     assert response.status_code == 503, response.text
     assert response.headers["x-should-retry"] == "true"
@@ -144,6 +150,33 @@ def test_a_scrape_late_past_staleness_but_within_its_time_limit_queues_arrivals(
         )
         assert_refused_as_unknown(kvgate)
         clear_faults(sim.url)
+        assert_serves(kvgate)
+
+
+def test_an_arrival_after_a_scrape_too_slow_waits_for_the_next_instead_of_a_503(sim: SimServer) -> None:
+    """One scrape times out (the backend, or the gateway, busy for a moment): the budget is
+    unknown, but an arrival waits for a later scrape rather than being refused; only
+    `backend_down_after_failures` slow scrapes in a row refuse arrivals."""
+    with (
+        served_gateway(
+            sim.url,
+            metrics_poll_interval_s=0.05,
+            metrics_stale_after_s=0.5,
+            metrics_timeout_s=1.0,
+            backend_down_after_failures=3,
+        ) as kvgate,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        kvgate.wait_until(lambda gw: gw.poller.failures == 0 and gw.snapshot().known)
+        set_faults(sim.url, metrics_delay_s=2.0)
+        kvgate.wait_until(lambda gw: gw.poller.failures == 1, what="one scrape timed out")
+        assert budget_state(kvgate) == "stale"
+        arrival = pool.submit(httpx.post, f"{kvgate.url}/v1/completions", json=SMALL, timeout=30)
+        kvgate.wait_until(lambda gw: len(gw.queue) == 1 or arrival.done(), what="the arrival queued")
+        clear_faults(sim.url)
+        answer = arrival.result(timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert int(answer.headers["x-kvgate-queue-ms"]) > 0
         assert_serves(kvgate)
 
 

@@ -13,6 +13,7 @@ from gateway.vllm_metrics import BackendReading
 
 CONFIG = CapacityConfig(
     stale_after_s=1.0,
+    scrape_interval_s=0.2,
     scrape_timeout_s=0.5,
     settle_s=0.5,
     unknown_is_saturated=True,
@@ -197,7 +198,7 @@ def test_a_late_scrape_that_has_not_failed_may_still_renew_a_stale_budget() -> N
     budget = KvBudget(CONFIG, InMemoryLedger())
     budget.observe(reading(0.0), started_at=10.0, now=10.0)
     assert not budget.snapshot(10.9).renewing  # fresh: nothing to renew
-    late = budget.snapshot(11.2)  # stale, within one scrape's time limit past it
+    late = budget.snapshot(11.2)  # stale, within one scrape's interval and time limit past it
     assert (late.state, late.known, late.renewing, late.settles_soon) == (
         BudgetState.STALE,
         False,
@@ -205,16 +206,43 @@ def test_a_late_scrape_that_has_not_failed_may_still_renew_a_stale_budget() -> N
         True,
     )
     assert "in flight" in late.detail
-    # Past the time limit no scrape in flight can renew it any more.
-    gone = budget.snapshot(11.6)
+    assert budget.snapshot(11.69).renewing
+    # Past the interval and the time limit no scrape in flight can renew it any more.
+    gone = budget.snapshot(11.71)
     assert (gone.state, gone.renewing, gone.settles_soon) == (BudgetState.STALE, False, False)
-    # A failed scrape settles it the other way at once.
-    budget.observe_failure("timed out", unreachable=False, now=11.1)
+    # A scrape that answered wrong settles it the other way at once.
+    budget.observe_failure("malformed", unreachable=False, now=11.1)
     assert not budget.snapshot(11.2).renewing
     # Nobody reads the metrics any more: nothing is in flight.
     budget.observe(reading(0.0), started_at=20.0, now=20.0)
     budget.halt("the poller ended")
     assert not budget.snapshot(20.1).settles_soon
+
+
+def test_scrapes_too_slow_leave_a_stale_budget_renewable_until_as_many_as_mark_a_backend_down() -> None:
+    budget = KvBudget(CONFIG, InMemoryLedger())
+    budget.observe(reading(0.0), started_at=10.0, now=10.0)
+    # One scrape timed out (CONFIG: 0.2 s apart, 0.5 s each): the next, in flight, may renew
+    # the reading until it is 1.0 + 2 * 0.7 s old.
+    budget.observe_failure("timed out reading the body", unreachable=False, slow=True, now=11.3)
+    assert budget.snapshot(11.4).settles_soon
+    assert budget.snapshot(12.39).renewing
+    assert not budget.snapshot(12.41).renewing
+    # A second one (down_after_failures = 2): the backend is taken as unable to answer.
+    budget.observe_failure("timed out reading the body", unreachable=False, slow=True, now=12.0)
+    assert not budget.snapshot(12.1).settles_soon
+    # A good scrape resets the count; a wrong answer after a slow one ends the renewal at once.
+    budget.observe(reading(0.0), started_at=20.0, now=20.0)
+    budget.observe_failure(
+        "timed out waiting for the response headers", unreachable=False, slow=True, now=21.3
+    )
+    assert budget.snapshot(21.4).renewing
+    budget.observe_failure("HTTP 500", unreachable=False, now=21.6)
+    assert not budget.snapshot(21.7).renewing
+    # An unreachable backend is not slow: no renewal either.
+    budget.observe(reading(0.0), started_at=30.0, now=30.0)
+    budget.observe_failure("cannot connect", unreachable=True, now=31.3)
+    assert not budget.snapshot(31.4).renewing
 
 
 def test_a_resized_pool_resets_the_counter_baseline() -> None:
