@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import signal
 import socket
 import sys
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gateway.settings import Settings
     from gateway.workers import SettingsSources
+
+log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 
@@ -158,8 +161,11 @@ def serve_gateway(
     from gateway.app import create_app
     from gateway.lifecycle import serve
     from gateway.logs import configure_logging
+    from gateway.malloc import return_large_blocks_to_the_system
 
     configure_logging(settings.log_level, settings.log_format)
+    if not return_large_blocks_to_the_system():
+        log.info("the C library's mmap threshold could not be fixed: freed large bodies may stay resident")
     app = create_app(settings)
     # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler
     # that was in place before it started; with the default one the process would die with
