@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -133,13 +134,29 @@ def test_a_scrape_late_past_staleness_but_within_its_time_limit_queues_arrivals(
     ) as kvgate:
         set_faults(sim.url, metrics_delay_s=0.35)
         kvgate.wait_until(lambda gw: gw.poller.failures == 0 and gw.snapshot().age_s is not None)
-        seen_stale = 0
+        # The state is sampled beside the requests, not between them: a request that waits
+        # for a scrape to land would otherwise lock the samples to the moments just after one.
+        states: list[str] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                states.append(budget_state(kvgate))
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         statuses = []
-        for _ in range(40):
-            seen_stale += budget_state(kvgate) == "stale"
-            statuses.append(httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=10).status_code)
-            time.sleep(0.03)
-        assert seen_stale > 0, "the budget was never stale: the test proved nothing"
+        try:
+            for _ in range(40):
+                statuses.append(
+                    httpx.post(f"{kvgate.url}/v1/completions", json=SMALL, timeout=10).status_code
+                )
+                time.sleep(0.03)
+        finally:
+            done.set()
+            sampler.join()
+        assert "stale" in states, "the budget was never stale: the test proved nothing"
         assert statuses == [200] * 40
         assert kvgate.call(lambda: kvgate.gateway.poller.failures) == 0
         # A scrape that fails makes arrivals 503 again at once.

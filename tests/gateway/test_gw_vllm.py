@@ -41,7 +41,7 @@ def kvgate(vllm_url: str) -> Iterator[Served]:
         discover_tokenizer=True,
         metrics_poll_interval_s=0.1,
         output_backend_prior=False,
-        priority_classes={"normal": {"queue_timeout_s": 300.0}},
+        priority_classes={"normal": {"queue_timeout_s": 3600.0}},
     ) as served:
         yield served
 
