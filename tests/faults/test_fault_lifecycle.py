@@ -31,6 +31,7 @@ from faultkit import (
     kvgate_process,
     ledger_balanced,
     poll_until,
+    sim_process,
     sse_events,
     start_kvgate,
 )
@@ -52,23 +53,16 @@ SLOWER_STEPS = EngineConfig(
 )
 
 
-def running_sim(engine: EngineConfig) -> Iterator[SimProcess]:
-    process = SimProcess(SimConfig(engine=engine))
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-
-
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimProcess]:
-    yield from running_sim(SLOW_STEPS)
+    with sim_process(SimConfig(engine=SLOW_STEPS)) as process:
+        yield process
 
 
 @pytest.fixture
 def slower_sim() -> Iterator[SimProcess]:
-    yield from running_sim(SLOWER_STEPS)
+    with sim_process(SimConfig(engine=SLOWER_STEPS)) as process:
+        yield process
 
 
 def stream_to_end(url: str, body: dict[str, Any]) -> tuple[int, list[str], str | None]:
