@@ -30,7 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from estimator.tokens import TokenCounter
 from gateway import routes
 from gateway.fleet import Resolver
-from gateway.json_body import BodyParser
+from gateway.intake import BodyIntake
+from gateway.json_body import DEFAULT_INLINE_MAX_BYTES, BodyParser
 from gateway.loop_lag import LoopLagProbe
 from gateway.metrics import GatewayMetrics, GaugeReadings
 from gateway.router import Router
@@ -153,6 +154,11 @@ def create_app(
         levels = metrics.watch(_Levels(gateway))
         app.state.kvgate = gateway
         app.state.body_parser = BodyParser()
+        app.state.body_intake = BodyIntake(
+            bytes_per_s=settings.large_body_bytes_per_s,
+            burst_bytes=settings.max_body_bytes,
+            free_bytes=DEFAULT_INLINE_MAX_BYTES,
+        )
         probe = app.state.loop_lag = LoopLagProbe(metrics.event_loop_lag.observe)
         lag_task = asyncio.create_task(probe.run(), name="kvgate-loop-lag")
         await gateway.start()

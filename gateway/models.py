@@ -11,6 +11,7 @@ the first backend that answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -30,6 +31,8 @@ from gateway.discovery import (
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
+# How long the counting threads wait for one another while their tokenizer copies are made.
+COPIES_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -138,8 +141,27 @@ class ModelCatalog:
                     inline_thread=loop_thread,
                 ),
             )
+            await self._prepare_copies(known[0])
             self._counters[candidates] = known
         return known
+
+    async def _prepare_copies(self, counter: TokenCounter) -> None:
+        """Make every counting thread's copy of the tokenizer now, before a request needs it.
+        Made on first use, each copy (0.3 s of the interpreter, which the copy holds) stalled
+        the loop when the first large body arrived, as long after start as that was. Each task
+        waits for the others, so that they land on as many threads."""
+        if not counter.exact:
+            return  # no tokenizer, nothing to copy
+        threads = self._settings.tokenizer_threads
+        together = threading.Barrier(threads, timeout=COPIES_TIMEOUT_S)
+
+        def prepare() -> None:
+            counter.prepare_thread(threading.get_ident())
+            with contextlib.suppress(threading.BrokenBarrierError):  # a thread busy elsewhere
+                together.wait()
+
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._executor, prepare) for _ in range(threads)))
 
     async def _shape(self, candidates: tuple[str, ...]) -> tuple[ModelShape | None, str | None]:
         known = self._shapes.get(candidates)

@@ -313,26 +313,19 @@ class Router:
                 sizings[backend.name] = sizing
         if reference is None:
             assert refusal is not None
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                # Its traceback holds this frame: kept here, it would make a cycle that keeps
+                # the request's body alive until the garbage collector runs.
+                del refusal
         return SizedRequest(prepared, reference, sizings)
 
     async def admit(self, request: SizedRequest, receive: Receive | None) -> Reservation:
         """Wait for admission. Raises a GatewayError when shed or rejected, ClientGone when
         the client left while queued. The returned reservation is open in a backend's ledger."""
         if self.draining:  # began while this one was being prepared
-            closing = self._shutting_down()
-            self.conclude(
-                summary(
-                    self.fleet.label(None),
-                    request,
-                    Outcome.SHED_UNAVAILABLE,
-                    closing.status,
-                    self.clock(),
-                    queue_s=0.0,
-                    code=closing.code,
-                )
-            )
-            raise closing
+            raise self._shed_while_closing(request)
         key = next(self._keys)
         reservation = Reservation(self.concluder, self.fleet.backend, key, request)
         reservation.queued_at = self.clock()
@@ -354,9 +347,33 @@ class Router:
         decision = entry.future.result()
         if decision.kind is DecisionKind.ADMIT:
             return reservation
+        raise self._refused(decision, request, entry)
+
+    # The errors of the two methods below are raised where they are made, never kept in a
+    # local of the frame that raises them: their tracebacks hold that frame, and the cycle
+    # would keep the request's body alive until the garbage collector runs.
+
+    def _shed_while_closing(self, request: SizedRequest) -> GatewayError:
+        """The error that sheds `request` because the gateway is closing, concluded."""
+        closing = self._shutting_down()
+        self.conclude(
+            summary(
+                self.fleet.label(None),
+                request,
+                Outcome.SHED_UNAVAILABLE,
+                closing.status,
+                self.clock(),
+                queue_s=0.0,
+                code=closing.code,
+            )
+        )
+        return closing
+
+    def _refused(self, decision: Decision, request: SizedRequest, entry: QueueEntry) -> GatewayError:
+        """The error that refuses `request` as the queue's `decision` says, its exit concluded."""
         refusal = self._refusal(decision, request)
         self.concluder.queue_exit(request, entry, outcome_of_refusal(decision), refusal.status, refusal.code)
-        raise refusal
+        return refusal
 
     def _blocks_on(self, request: SizedRequest) -> BlocksOn | None:
         reference = request.reference.demand

@@ -63,6 +63,7 @@ from gateway.errors import (
     failure_reason,
     to_http,
 )
+from gateway.intake import IntakeTicket
 from gateway.json_body import BodyParser, TooManyContainersError
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import ADMIN_ERRORS, BACKEND_ERRORS, ErrorBody, install_openapi
@@ -91,10 +92,11 @@ class ClientLeftError(Exception):
     """The client closed its connection before its request body was complete."""
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, intake: IntakeTicket) -> bytes:
     """The request body, at most `limit` bytes (BodyTooLargeError beyond). Raises
     ClientLeftError when the client disconnects mid-body: nothing has been reserved then, and
-    nobody is left to answer.
+    nobody is left to answer. A large body waits for its pace in `intake` (gateway.intake)
+    between chunks.
 
     Receipt is this one loop over the body's chunks: a limit on how long a body may take to
     arrive belongs around it, raising a GatewayError (its answer goes out as any refusal's)."""
@@ -107,6 +109,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
             body += chunk
             if len(body) > limit:
                 raise BodyTooLargeError(f"the request body is larger than {limit} bytes")
+            await intake.received(len(body))
     except ClientDisconnect as exc:
         raise ClientLeftError() from exc
     return bytes(body)
@@ -139,9 +142,10 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
     gateway = _gateway(request)
     arrived_at = gateway.clock()
     request_id = request_id_of(request.scope)
+    intake: IntakeTicket = request.app.state.body_intake.ticket()
     try:
         raw = await _received(
-            _read_body(request, gateway.settings.max_body_bytes), gateway.settings.body_timeout_s
+            _read_body(request, gateway.settings.max_body_bytes, intake), gateway.settings.body_timeout_s
         )
         body = await _parse_json(request.app.state.body_parser, raw)
         prepared = await gateway.prepare(route, body, raw, request.headers, arrived_at, request_id)
@@ -377,6 +381,7 @@ async def admin_state(request: Request) -> Response:
             "settings": gateway.settings.public_view(),
             "process": process_stats().to_json(),
             "event_loop": request.app.state.loop_lag.recorder.summary().to_json(),
+            "body_intake": request.app.state.body_intake.to_json(),
         }
     )
 

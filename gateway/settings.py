@@ -85,6 +85,7 @@ DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 # is answered 503 and closed at once, so that descriptors never run out (see gateway.lifecycle).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_LARGE_BODY_BYTES_PER_S = 32 * 1024 * 1024
 DEFAULT_MAX_CLIENT_CONNECTIONS = 4096
 
 # Shutdown (SIGTERM): not ready at once; listen on for the delay (so that load balancers see
@@ -408,6 +409,12 @@ class Settings(BaseSettings):
     )
     body_timeout_s: float = Field(
         DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600, description="its body within this after the head (408)"
+    )
+    large_body_bytes_per_s: int = Field(
+        DEFAULT_LARGE_BODY_BYTES_PER_S,
+        ge=0,
+        description="pace of large bodies' bytes past their first 64 KiB, all together, after a "
+        "burst of max_body_bytes (0: unpaced)",
     )
     max_client_connections: int = Field(
         DEFAULT_MAX_CLIENT_CONNECTIONS,

@@ -105,6 +105,29 @@ def test_a_broken_document_fails_where_json_loads_fails(
     assert same(run(iter_document(text, window)), expected)
 
 
+# Long strings, mostly plain, escapes sparse or in runs: each window's cut lands next to escapes
+# of every kind, where it is found in C or, among too many backslashes, token by token.
+LONG_TEXT = st.lists(
+    st.sampled_from(["a" * 7, "b", " ", '"', "\\", "\n", "\x01", "😀", "\ud83d", "\ude00", "é", "\\" * 9]),
+    min_size=50,
+    max_size=400,
+).map(lambda parts: "a" * 7 + "".join(parts))
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=LONG_TEXT, ensure_ascii=st.booleans(), window=st.integers(MIN_WINDOW_CHARS, 200))
+def test_a_long_string_parses_as_json_loads_parses_it_wherever_the_windows_cut(
+    value: str, ensure_ascii: bool, window: int
+) -> None:
+    text = json.dumps({"prompt": value, "n": [value, 1]}, ensure_ascii=ensure_ascii)
+    assert same(run(iter_document(text, window)), json.loads(text))
+    for broken in (text[: len(text) * 2 // 3], text.replace("a" * 7, "a\\q", 1)):
+        with pytest.raises(ValueError):  # noqa: PT011 (json's messages differ by case)
+            json.loads(broken)
+        with pytest.raises(ValueError):  # noqa: PT011
+            run(iter_document(broken, window))
+
+
 @pytest.mark.parametrize("offset", range(0, 20))
 def test_a_surrogate_pair_is_one_character_wherever_the_window_ends(offset: int) -> None:
     # A long string, so that it is decoded in windows; the pair sits at every offset of a cut.
@@ -162,8 +185,10 @@ def test_nesting_deeper_than_the_walk_descends_is_refused() -> None:
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
-def test_bytes_are_decoded_as_json_loads_decodes_them(encoding: str) -> None:
-    text = json.dumps({"prompt": "中文 😀 " * 300}, ensure_ascii=False)
+@pytest.mark.parametrize("prompt", ["中文 😀 " * 300, "plain ascii " * 300])
+def test_bytes_are_decoded_as_json_loads_decodes_them(encoding: str, prompt: str) -> None:
+    # An ASCII document in UTF-16 or -32 is ASCII bytes too (with NULs): decoded by its encoding.
+    text = json.dumps({"prompt": prompt}, ensure_ascii=False)
     raw = text.encode(encoding)
     assert run(iter_body(raw, MIN_WINDOW_CHARS)) == json.loads(raw)
 

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("fastapi", "starlette", "httpx", "redis", "prometheus_client", "asyncio", "uvicorn", "anyio")
 PURE_GATEWAY_MODULES = (
     "gateway.admission",
+    "gateway.body_pace",
     "gateway.capacity",
     "gateway.client_hints",
     "gateway.credentials",

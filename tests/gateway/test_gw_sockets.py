@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -181,3 +182,22 @@ def test_faults_on_the_sim_leave_no_reservation_behind(sim: SimServer) -> None:
         statuses = {r.status_code for r in results}
         assert statuses <= {200, 503}
         kvgate.wait_until(ledger_is_empty, what="the ledger to balance")
+
+
+def test_every_counting_thread_has_its_tokenizer_copy_before_the_first_large_body(
+    sim: SimServer, tiny_model_dir: Path
+) -> None:
+    # A copy made on first use holds the interpreter for a third of a second: the first large
+    # body after start stalled every request for that long.
+    with served_gateway(
+        sim.url, wait_ready=False, discover_tokenizer=True, tokenizer=str(tiny_model_dir), tokenizer_threads=3
+    ) as kvgate:
+        # Loading transformers and the tokenizer takes seconds on a loaded machine.
+        kvgate.wait_until(lambda gateway: gateway.readiness()[0], 120, "the gateway to be ready")
+        counter = kvgate.call(lambda: kvgate.app.state.kvgate.catalog.default().counter)
+        assert counter.exact
+        assert counter.tokenizer_copies == 1 + 3  # the loop's and every counting thread's
+        large = {"model": "tiny-llama", "prompt": "word " * 600, "max_tokens": 1}  # counted in a thread
+        answers = [httpx.post(f"{kvgate.url}/v1/completions", json=large, timeout=30) for _ in range(4)]
+        assert [answer.status_code for answer in answers] == [200] * 4, answers[0].text
+        assert counter.tokenizer_copies == 1 + 3
