@@ -413,8 +413,8 @@ class Settings(BaseSettings):
     large_body_bytes_per_s: int = Field(
         DEFAULT_LARGE_BODY_BYTES_PER_S,
         ge=0,
-        description="pace of large bodies' bytes past their first 64 KiB, all together, after a "
-        "burst of max_body_bytes (0: unpaced)",
+        description="pace of large bodies' bytes past their first 64 KiB, all of this process's "
+        "together, after a burst of max_body_bytes (0: unpaced)",
     )
     max_client_connections: int = Field(
         DEFAULT_MAX_CLIENT_CONNECTIONS,

@@ -271,7 +271,10 @@ async def test_in_process_through_asgi_transport(fast_config: SimConfig) -> None
 async def test_two_hundred_concurrent_streams_all_complete(fast_config: SimConfig) -> None:
     engine = EngineConfig(num_blocks=2048, max_num_seqs=256, step_cost=StepCost(0.002, 0.0, 0.0, 0.0))
     with running_sim_server(replace(fast_config, engine=engine)) as server:
-        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        # Pooled connections expire well before the server's keep-alive (5 s): on a loaded
+        # machine the streams take longer than that, and the state read after them would
+        # otherwise go out on a connection the server is closing just then.
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250, keepalive_expiry=1.0)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=30) as client:
 
             async def one(i: int) -> int:
