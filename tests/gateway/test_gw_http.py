@@ -354,6 +354,14 @@ async def test_queue_full_and_deadlines_shed_with_retry_hints() -> None:
         medium = {**COMPLETION, "max_tokens": 200}  # 7 blocks: has to wait
         hogs = [asyncio.create_task(harness.client.post("/v1/completions", json=hog)) for _ in range(2)]
         await wait_until(lambda: harness.gateway.ledger.totals().entries == 2, what="two admissions")
+        # Sent while the queue has room, so that its deadline, not the queue's bound, sheds it.
+        late = await harness.client.post(
+            "/v1/completions",
+            json=medium,
+            headers={"x-kvgate-priority": "high", "x-kvgate-deadline-ms": "50"},
+        )
+        assert late.status_code == 429
+        assert late.json()["error"]["code"] in {"deadline_expired", "deadline_unreachable"}
         queued = asyncio.create_task(harness.client.post("/v1/completions", json=medium))
         await wait_until(lambda: len(harness.gateway.queue) == 1, what="one queued")
         full = await harness.client.post("/v1/completions", json=medium)
@@ -364,13 +372,6 @@ async def test_queue_full_and_deadlines_shed_with_retry_hints() -> None:
         assert float(full.headers["retry-after-ms"]) > 0
         small = await harness.client.post("/v1/completions", json=COMPLETION)
         assert small.status_code == 200  # fits in the 5 free blocks: a full queue does not stop it
-        late = await harness.client.post(
-            "/v1/completions",
-            json=medium,
-            headers={"x-kvgate-priority": "high", "x-kvgate-deadline-ms": "50"},
-        )
-        assert late.status_code == 429
-        assert late.json()["error"]["code"] in {"deadline_expired", "deadline_unreachable"}
         for task in [*hogs, queued]:
             assert (await task).status_code == 200
         text = (await harness.client.get("/metrics")).text
