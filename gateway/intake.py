@@ -45,9 +45,10 @@ class BodyIntake:
         """For /admin/state: bodies waiting for their pace now, and seconds waited in all."""
         return {"waiting": self.waiting, "waited_s": round(self.waited_s, 3)}
 
-    def ticket(self) -> IntakeTicket:
-        """One body's part in the intake."""
-        return IntakeTicket(self)
+    async def received(self, before: int, after: int) -> None:
+        """A body has grown from `before` to `after` bytes: those of them past its free ones
+        wait for the pace before its next chunk is read."""
+        await self.wait_for(max(0, after - self.free_bytes) - max(0, before - self.free_bytes))
 
     async def wait_for(self, nbytes: int) -> None:
         """Wait until `nbytes` more bytes of large bodies may be read."""
@@ -62,20 +63,3 @@ class BodyIntake:
             await asyncio.sleep(delay)
         finally:
             self.waiting -= 1
-
-
-class IntakeTicket:
-    """One body's part in a BodyIntake: `received` after each of its chunks."""
-
-    def __init__(self, intake: BodyIntake) -> None:
-        self._intake = intake
-        self._counted = 0  # bytes past the free ones booked so far
-
-    async def received(self, total: int) -> None:
-        """`total` bytes of the body have arrived: those past the free ones wait for the pace
-        before the next chunk is read."""
-        beyond = total - self._intake.free_bytes
-        if beyond <= self._counted:
-            return
-        more, self._counted = beyond - self._counted, beyond
-        await self._intake.wait_for(more)

@@ -63,7 +63,7 @@ from gateway.errors import (
     failure_reason,
     to_http,
 )
-from gateway.intake import IntakeTicket
+from gateway.intake import BodyIntake
 from gateway.json_body import BodyParser, TooManyContainersError
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import ADMIN_ERRORS, BACKEND_ERRORS, ErrorBody, install_openapi
@@ -92,7 +92,7 @@ class ClientLeftError(Exception):
     """The client closed its connection before its request body was complete."""
 
 
-async def _read_body(request: Request, limit: int, intake: IntakeTicket) -> bytes:
+async def _read_body(request: Request, limit: int, intake: BodyIntake) -> bytes:
     """The request body, at most `limit` bytes (BodyTooLargeError beyond). Raises
     ClientLeftError when the client disconnects mid-body: nothing has been reserved then, and
     nobody is left to answer. A large body waits for its pace in `intake` (gateway.intake)
@@ -109,7 +109,7 @@ async def _read_body(request: Request, limit: int, intake: IntakeTicket) -> byte
             body += chunk
             if len(body) > limit:
                 raise BodyTooLargeError(f"the request body is larger than {limit} bytes")
-            await intake.received(len(body))
+            await intake.received(len(body) - len(chunk), len(body))
     except ClientDisconnect as exc:
         raise ClientLeftError() from exc
     return bytes(body)
@@ -142,7 +142,7 @@ async def _generation(request: Request, route: Route, path: str) -> Response:
     gateway = _gateway(request)
     arrived_at = gateway.clock()
     request_id = request_id_of(request.scope)
-    intake: IntakeTicket = request.app.state.body_intake.ticket()
+    intake: BodyIntake = request.app.state.body_intake
     try:
         raw = await _received(
             _read_body(request, gateway.settings.max_body_bytes, intake), gateway.settings.body_timeout_s

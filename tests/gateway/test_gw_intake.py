@@ -40,11 +40,10 @@ def test_the_pace_refuses_what_makes_no_sense() -> None:
 async def test_bytes_within_the_free_part_never_wait_and_unpaced_never_waits() -> None:
     now = [0.0]
     intake = BodyIntake(bytes_per_s=1024, burst_bytes=0, free_bytes=64 * 1024, clock=lambda: now[0])
-    ticket = intake.ticket()
-    await asyncio.wait_for(ticket.received(64 * 1024), 1.0)
+    await asyncio.wait_for(intake.received(0, 64 * 1024), 1.0)
     assert intake.waited_s == 0.0
     unpaced = BodyIntake(bytes_per_s=0, burst_bytes=0, free_bytes=0)
-    await asyncio.wait_for(unpaced.ticket().received(100 * MIB), 1.0)
+    await asyncio.wait_for(unpaced.received(0, 100 * MIB), 1.0)
     assert unpaced.waited_s == 0.0
 
 
@@ -53,9 +52,10 @@ async def test_each_byte_is_booked_once_however_the_chunks_fall() -> None:
     intake = BodyIntake(bytes_per_s=1e12, burst_bytes=0, free_bytes=1000, clock=lambda: now[0])
     pace = intake._pace
     assert pace is not None
-    ticket = intake.ticket()
+    before = 0
     for total in (500, 1500, 1500, 4000):
-        await ticket.received(total)
+        await intake.received(before, total)
+        before = total
     # 3,000 bytes past the free ones booked in all: the next byte waits behind exactly those.
     assert pace.book(0, now=0.0) == pytest.approx(3000 / 1e12)
 
