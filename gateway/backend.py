@@ -22,7 +22,7 @@ import httpx
 
 from estimator.demand import Demand
 from gateway.admission import Target
-from gateway.budget import MetricsPoller
+from gateway.budget import MetricsPoller, ScrapeTurns
 from gateway.capacity import BudgetSnapshot, BudgetState, CapacityConfig, KvBudget, Reconciliation, Standing
 from gateway.credentials import redact_url
 from gateway.discovery import BackendInfo, DiscoveryError, fetch_models
@@ -76,6 +76,7 @@ class Backend:
         on_scrape: Callable[[Backend, Reconciliation | None], None],
         ledger: Ledger | None = None,
         standing: Callable[[], Standing] | None = None,
+        scrape_share: ScrapeTurns | None = None,
     ) -> None:
         self.name = spec.name
         self.url = spec.url
@@ -106,6 +107,7 @@ class Backend:
             on_update=self._scraped,
             headers=self.headers,
             waiting=has_waiters,
+            share=scrape_share,
         )
         self._tasks: list[asyncio.Task[None]] = []
         # The `dns+` entry it was found by (None: named in the settings), and whether that
@@ -137,6 +139,12 @@ class Backend:
         self.poller.reconfigure(
             interval_s=settings.metrics_poll_interval_s, timeout_s=settings.metrics_timeout_s
         )
+        if self.poller.share is not None:
+            self.poller.share.reconfigure(
+                interval_s=settings.metrics_poll_interval_s,
+                timeout_s=settings.metrics_timeout_s,
+                stale_after_s=settings.metrics_stale_after_s,
+            )
 
     async def discover(self) -> BackendInfo:
         """Read /v1/models once. The router loads the tokenizers and model configs its models
@@ -162,8 +170,10 @@ class Backend:
     def _scraped(self, reconciliation: Reconciliation | None) -> None:
         if reconciliation is None:
             self.metrics.scrape_failures.labels(self.name).inc()
-        elif reconciliation.preemptions > 0:
-            self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
+        else:
+            self.metrics.readings.labels(self.name, self.poller.last_source).inc()
+            if reconciliation.preemptions > 0:
+                self.metrics.preemptions.labels(self.name).inc(reconciliation.preemptions)
         snapshot = self.budget.snapshot(self.clock())
         if snapshot.total_blocks > 0:
             # vLLM's cache holds at most its pool: remembering more would predict hits it evicted.
@@ -310,6 +320,11 @@ class Backend:
             "service_time": {
                 "first_token_after_admit_s": pace["first_token_after_admit_s"],
                 "seconds_per_output_token": pace["seconds_per_output_token"],
+            },
+            "metrics_readings": {
+                **self.poller.readings,
+                # With a shared ledger: whether this process reads the backend for all of them.
+                "shared_scrape": self.poller.share.describe() if self.poller.share is not None else None,
             },
             "prefix_index_blocks": len(self.prefixes),
             "models": [

@@ -18,16 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.capacity import KvBudget, Reconciliation
+from gateway.shared_reading import AskAgain, Follow, Lead, Turn
 from gateway.vllm_metrics import METRIC_NAMES, BackendReading, MetricSample, MetricsFormatError, read_backend
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,20 @@ def parse_metrics_text(text: str) -> BackendReading:
     return body.reading()
 
 
+class ScrapeTurns(Protocol):
+    """Whose turn it is to read a backend shared with other processes (gateway.shared_scrape)."""
+
+    async def turn(self, asked_at: float) -> Turn: ...
+
+    async def publish(self, reading: BackendReading, took_s: float) -> None: ...
+
+    def reconfigure(
+        self, *, interval_s: float, timeout_s: float, stale_after_s: float | None = None
+    ) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 _CONNECTING = "connecting"
 _AWAITING_HEADERS = "waiting for the response headers"
 
@@ -194,6 +210,7 @@ class MetricsPoller:
         headers: dict[str, str] | None = None,
         waiting: Callable[[], bool] = lambda: False,
         max_body_bytes: int = MAX_METRICS_BODY_BYTES,
+        share: ScrapeTurns | None = None,
     ) -> None:
         self._client = client
         self._url = url
@@ -212,6 +229,10 @@ class MetricsPoller:
         self._streak = 0  # failures since the last good scrape
         self._parse_s = 0.0  # how long the last scrape's parse took in a thread (0: on the loop)
         self._poked = asyncio.Event()
+        self.share = share  # the scrape shared with other processes (gateway.shared_scrape)
+        self.readings = {"scraped": 0, "shared": 0}  # good readings by where they came from
+        self.last_source = "scraped"  # where the newest good reading came from
+        self._observed_until = -math.inf  # when the newest reading observed was taken
 
     def reconfigure(self, *, interval_s: float, timeout_s: float) -> None:
         """New interval and timeout, from the next scrape on (a settings reload)."""
@@ -223,17 +244,29 @@ class MetricsPoller:
         """Scrape now instead of at the next tick (a request just failed to reach the backend)."""
         self._poked.set()
 
-    async def poll_once(self) -> Reconciliation | None:
-        """One scrape; returns the reconciliation, or None when the scrape failed. Every
-        failure is counted and told to the budget here, not raised (`run` takes whatever a
-        broken clock might still raise)."""
+    async def poll_once(self, turn: Turn | None = None) -> Reconciliation | None:
+        """One reading: the shared one when `turn` says to follow, else a scrape (published
+        when `turn` says to lead); returns the reconciliation, or None when the scrape failed.
+        Every failure is counted and told to the budget here, not raised (`run` takes whatever
+        a broken clock might still raise)."""
         result: Reconciliation | None = None
         try:
-            started = self._clock()
-            reading = await self._scrape()
-            result = self._budget.observe(reading, started, self._clock(), waiting=self._waiting())
+            if isinstance(turn, Follow):
+                started, reading, taken = turn.started_at, turn.reading, turn.finished_at
+                source = "shared"
+            else:
+                started = self._clock()
+                reading = await self._scrape()
+                taken, source = self._clock(), "scraped"
+            result = self._budget.observe(reading, started, taken, waiting=self._waiting())
+            self._observed_until = max(self._observed_until, taken)
             if result is None:  # refused as frozen; the budget has counted the failure
                 self._count_failure(self._budget.last_error)
+            else:
+                self.readings[source] += 1
+                self.last_source = source
+                if isinstance(turn, Lead) and self.share is not None:
+                    await self.share.publish(reading, taken - started)
         except _UnreachableError as exc:
             self._fail(str(exc), unreachable=True)
         except TimeoutError as exc:
@@ -347,10 +380,22 @@ class MetricsPoller:
     async def _poll_forever(self) -> None:
         while True:
             started = self._clock()
-            # A poke that arrives during this scrape asks for another one that starts after it.
+            # A poke (a request could not reach the backend) asks for a scrape of this
+            # process's own, not someone's reading; one that arrives during this scrape asks
+            # for another that starts after it.
+            poked = self._poked.is_set()
             self._poked.clear()
             self._parse_s = 0.0
-            ok = await self.poll_once() is not None
+            turn = await self.share.turn(started) if self.share is not None and not poked else None
+            if isinstance(turn, Follow) and turn.finished_at <= self._observed_until:
+                # Older than a reading of this process's own: nothing new.
+                turn = AskAgain(self._interval_s)
+            if isinstance(turn, AskAgain):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(turn.pause_s):
+                        await self._poked.wait()
+                continue
+            ok = await self.poll_once(turn) is not None
             elapsed = self._clock() - started
             # A failing scrape takes at most half the poller's time, and so does a parse in a
             # thread: one that costs a lot (a body at the size bound, a trickle up to the time

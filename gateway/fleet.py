@@ -106,6 +106,7 @@ class Fleet:
             on_scrape=self._scraped,
             ledger=ledger,
             standing=ledger.standing if ledger is not None else None,
+            scrape_share=self.shared.scrape_share(spec.name) if self.shared is not None else None,
         )
         if self.shared is not None and ledger is not None:
             ledger.on_freed = lambda blocks: backend.pace.completed_elsewhere(blocks, self.clock())

@@ -36,6 +36,8 @@ WAIT_ERROR_BUCKETS_S = (-8.0, -4.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0
 FIRST_BYTE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # Around /healthz's 100 ms target: a lag of a few ms is the loop's ordinary work.
 LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Where a good reading of a backend's /metrics came from (kvgate_backend_readings).
+READING_SOURCES = ("scraped", "shared")
 
 # The codes a shed request's error carries, by outcome: the `code` values of kvgate_shed_total.
 # The policy's refusals carry their Reason (gateway.router names the error after it); a 503
@@ -298,6 +300,15 @@ class GatewayMetrics:
             )
         )
 
+        self.readings = _Labelled(
+            Counter(
+                "kvgate_backend_readings",
+                "Good readings of the backend's /metrics, by source: scraped by this process, or "
+                "shared (taken from Redis, where the process holding the scrape lease published it)",
+                ["backend", "source"],
+                registry=registry,
+            )
+        )
         self.shared_refusals = _Labelled(
             Counter(
                 "kvgate_shared_ledger_refusals",
@@ -350,6 +361,8 @@ class GatewayMetrics:
         for priority in Priority:
             self.admitted.labels(name, priority.value)
             self.queue_wait.labels(name, priority.value)
+        for source in READING_SOURCES:
+            self.readings.labels(name, source)
         for metric in self._per_backend():
             metric.labels(name)
 
@@ -361,6 +374,7 @@ class GatewayMetrics:
             self.shed,
             self.admitted,
             self.queue_wait,
+            self.readings,
             *self._per_backend(),
         )
         for labelled in every:

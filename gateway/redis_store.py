@@ -4,9 +4,9 @@ What lives in Redis (the layout is in gateway/lua/common.lua): a lease per admit
 holding its reserved blocks with an expiry in the server's time; per backend the sum of the
 leases, in total and per process; and what each process published at its last scrape (its
 requests' held blocks and credit, and its cap: the most its own view of the budget allows to
-be booked). Everything else stays in each process: its wait queue, its poll of the backends'
-/metrics (several processes poll the same vLLM: a /metrics read is cheap, and each process's
-budget stays fresh on its own), its output-length model and its drain rates.
+be booked). Everything else stays in each process: its wait queue, its budget of each backend (fed by the
+reading one process at a time takes of the backend's /metrics for all, gateway.shared_scrape),
+its output-length model and its drain rates.
 
 Why a sum never exceeds the budget: a booking is one Lua script run atomically on the server.
 It books each request on the first of its candidate backends whose booked total plus the
@@ -61,6 +61,7 @@ from gateway.credentials import redact_url
 from gateway.metrics import GatewayMetrics
 from gateway.reserve import RESERVE_DIVISOR, Reserve, reserve_target
 from gateway.settings import Settings
+from gateway.shared_scrape import ScrapeShare
 from gateway.shared_view import PeerView, SharedLedger
 from gateway.waitqueue import Booking, BookingAnswer
 
@@ -113,6 +114,11 @@ class KeyNames:
 
     def booked(self, name: str) -> str:
         return self.backend(name)[2]
+
+    def scrape(self, name: str) -> list[str]:
+        """The backend's scrape lease and shared reading (gateway.shared_scrape)."""
+        tag = f"{{{self.prefix}}}"
+        return [f"{tag}:{part}:{name}" for part in ("scrape-lease", "reading")]
 
 
 def cap_of(snapshot: BudgetSnapshot, credit_blocks: int) -> int | None:
@@ -208,6 +214,7 @@ class RedisLedgerStore:
         self._stopping = False
         self._failures = 0
         self._gauges: list[Gauge] = []
+        self._shares: list[ScrapeShare] = []
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -236,6 +243,8 @@ class RedisLedgerStore:
         if self._stopping:
             return
         self._stopping = True
+        for share in self._shares:
+            share.stopped = True  # the client closes below; the pollers read for themselves
         self._wake.set()
         if self._task is not None:
             patience = self.settings.redis_timeout_s * 4
@@ -266,6 +275,24 @@ class RedisLedgerStore:
         ledger.fail_open = self._fail_open
         ledger.processes = self.settings.workers
         return ledger
+
+    def scrape_share(self, backend: str) -> ScrapeShare | None:
+        """`backend`'s /metrics scrape shared with the other processes (None: not shared)."""
+        if not self.settings.redis_shared_scrape:
+            return None
+        settings = self.settings
+        share = ScrapeShare(
+            self._redis,
+            self.keys.scrape(backend),
+            self.owner,
+            {name: _script(name) for name in ("scrape_turn", "scrape_publish")},
+            processes=self.processes,
+            interval_s=settings.metrics_poll_interval_s,
+            timeout_s=settings.metrics_timeout_s,
+            stale_after_s=settings.metrics_stale_after_s,
+        )
+        self._shares.append(share)
+        return share
 
     def attach(
         self,
@@ -421,7 +448,12 @@ class RedisLedgerStore:
                     results = await self._send(trip)
                 except NoScriptError:
                     # Redis restarted (or flushed its scripts): load them again and resend;
-                    # every script is idempotent, so what did run may run twice.
+                    # every script is idempotent, so what did run may run twice. A restarted
+                    # Redis lost the leases too: they are renewed with the next round trip,
+                    # at once (the connection error that would have said so may have gone to
+                    # another caller sharing the client, the shared scrape).
+                    self._renew_due = True
+                    self._wake.set()
                     await self._load_scripts()
                     results = await self._send(trip)
         except BaseException:

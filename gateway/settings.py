@@ -395,6 +395,13 @@ class Settings(BaseSettings):
             "1/N of the budget, N the processes last seen alive"
         ),
     )
+    redis_shared_scrape: bool = Field(
+        True,
+        description=(
+            "with redis_url: one process at a time reads each backend's /metrics and the others "
+            "take its reading from Redis (gateway.shared_scrape); false: every process reads it"
+        ),
+    )
     workers: int = Field(
         1, ge=1, le=64, description="processes serving on this host; more than one needs redis_url"
     )

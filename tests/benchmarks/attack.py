@@ -28,7 +28,10 @@ Throughout, from a process of its own (so that the attackers' work is not measur
 kvgate's latency), /healthz is polled every 50 ms (its latency, max and p99; target < 100 ms), and
 kvgate's resident memory is sampled every 100 ms (peak over the quiet phase's peak; target a
 small multiple of max_body_bytes). Normal requests' p50/p99 in the attack phase are compared
-with the quiet phase's (target within 2x). kvgate's own event-loop lag
+with the quiet phase's (target within 2x); the same requests sent to the backend itself at
+`--control-rate` tell how much of a change is the backend's own (its engine shares this
+machine with the attack), and the slowest normal requests are listed with the time kvgate
+queued them and the stalls of its loop while they were out. kvgate's own event-loop lag
 (`kvgate_event_loop_lag_seconds`, and the stalls of `/admin/state`'s `event_loop` with their
 likeliest cause: the loop's own work, other threads, or the process not being scheduled) is read
 before and after each phase, and the worst /healthz answers are matched with the stalls kvgate
@@ -198,6 +201,9 @@ class Phase:
     name: str
     normal_ms: list[float] = field(default_factory=list)
     normal_status: Counter[int | str] = field(default_factory=Counter)
+    # (monotonic time sent, latency ms, kvgate's x-kvgate-queue-ms) of each normal request
+    normal_detail: list[tuple[float, float, float]] = field(default_factory=list)
+    control_ms: list[float] = field(default_factory=list)  # the same requests sent to the backend
     health_ms: list[float] = field(default_factory=list)
     health_at: list[float] = field(default_factory=list)  # monotonic time each answer came
     health_failures: int = 0
@@ -247,19 +253,32 @@ async def sample_rss(pid: int, phase: Phase, stop: asyncio.Event) -> None:
         await asyncio.sleep(RSS_INTERVAL_S)
 
 
-async def normal_traffic(url: str, rate: float, phase: Phase, stop: asyncio.Event) -> None:
+async def normal_traffic(
+    url: str, rate: float, phase: Phase, stop: asyncio.Event, *, control: bool = False
+) -> None:
+    """Normal requests at `rate`, open loop; `control`: sent to the backend itself, which
+    tells how much of a change under attack is the backend's (its engine shares the machine)."""
     async with httpx.AsyncClient(timeout=60.0, limits=httpx.Limits(max_connections=64)) as client:
 
         async def one() -> None:
+            sent_at = time.monotonic()
             started_at = time.perf_counter()
+            queue_ms = float("nan")
             try:
                 response = await client.post(f"{url}/v1/completions", json=NORMAL_BODY)
                 status: int | str = response.status_code
+                queue_ms = float(response.headers.get("x-kvgate-queue-ms", "nan"))
             except httpx.HTTPError as exc:
                 status = type(exc).__name__
+            took_ms = (time.perf_counter() - started_at) * 1000
+            if control:
+                if status == 200:
+                    phase.control_ms.append(took_ms)
+                return
             phase.normal_status[status] += 1
             if status == 200:
-                phase.normal_ms.append((time.perf_counter() - started_at) * 1000)
+                phase.normal_ms.append(took_ms)
+                phase.normal_detail.append((sent_at, took_ms, queue_ms))
 
         tasks: set[asyncio.Task[None]] = set()
         next_at = time.monotonic()
@@ -427,7 +446,15 @@ async def non_reader(port: int, phase: Phase, stop: asyncio.Event) -> None:
 # -- the run -----------------------------------------------------------------------------------
 
 
-def probe(url: str, rate: float, duration_s: float, cpus: set[int], conn: Connection) -> None:
+def probe(
+    url: str,
+    backend: str,
+    rate: float,
+    control_rate: float,
+    duration_s: float,
+    cpus: set[int],
+    conn: Connection,
+) -> None:
     """The measuring side, in a process of its own: /healthz every 50 ms and the normal traffic,
     for `duration_s`; sends back what it measured. Apart from the attackers' event loop, so
     that their work does not show up as kvgate's latency."""
@@ -441,11 +468,17 @@ def probe(url: str, rate: float, duration_s: float, cpus: set[int], conn: Connec
         async with httpx.AsyncClient(timeout=30.0) as client:
             await client.get(f"{url}/healthz")
             await client.post(f"{url}/v1/completions", json=NORMAL_BODY)
+            if control_rate > 0:
+                await client.post(f"{backend}/v1/completions", json=NORMAL_BODY)
         conn.send("ready")
         tasks = [
             asyncio.create_task(poll_health(url, phase, stop)),
             asyncio.create_task(normal_traffic(url, rate, phase, stop)),
         ]
+        if control_rate > 0:
+            tasks.append(
+                asyncio.create_task(normal_traffic(backend, control_rate, phase, stop, control=True))
+            )
         await asyncio.sleep(duration_s)
         stop.set()
         await asyncio.gather(*tasks)
@@ -453,7 +486,15 @@ def probe(url: str, rate: float, duration_s: float, cpus: set[int], conn: Connec
 
     phase = asyncio.run(run())
     conn.send(
-        (phase.normal_ms, dict(phase.normal_status), phase.health_ms, phase.health_at, phase.health_failures)
+        (
+            phase.normal_ms,
+            dict(phase.normal_status),
+            phase.health_ms,
+            phase.health_at,
+            phase.health_failures,
+            phase.normal_detail,
+            phase.control_ms,
+        )
     )
     conn.close()
 
@@ -487,7 +528,17 @@ async def run_phase(
     phase = Phase(name)
     parent, child = multiprocessing.get_context("spawn").Pipe()
     prober = multiprocessing.get_context("spawn").Process(
-        target=probe, args=(url, args.rate, args.phase_s, cpu_set(args.probe_cpus), child), daemon=True
+        target=probe,
+        args=(
+            url,
+            args.backend_url,
+            args.rate,
+            args.control_rate,
+            args.phase_s,
+            cpu_set(args.probe_cpus),
+            child,
+        ),
+        daemon=True,
     )
     prober.start()
     loop = asyncio.get_running_loop()
@@ -520,7 +571,9 @@ async def run_phase(
             ]
         if "nonreaders" in kinds:
             tasks += [asyncio.create_task(non_reader(port, phase, stop)) for _ in range(4)]
-    normal_ms, statuses, health_ms, health_at, health_failures = await loop.run_in_executor(None, parent.recv)
+    normal_ms, statuses, health_ms, health_at, health_failures, detail, control = await loop.run_in_executor(
+        None, parent.recv
+    )
     stop.set()
     used = resource.getrusage(resource.RUSAGE_SELF)
     phase.client_cpu_s = used.ru_utime + used.ru_stime - client_cpu.ru_utime - client_cpu.ru_stime
@@ -539,6 +592,7 @@ async def run_phase(
     prober.join(10)
     phase.normal_ms, phase.health_ms, phase.health_failures = normal_ms, health_ms, health_failures
     phase.health_at = health_at
+    phase.normal_detail, phase.control_ms = detail, control
     phase.normal_status.update(statuses)
     return phase
 
@@ -563,6 +617,14 @@ def report(quiet: Phase, attack: Phase, args: argparse.Namespace, alive: bool) -
     growth = attack.rss_peak - quiet.rss_peak
     print()
     print(f"normal latency under attack / quiet: p50 x{p50:.2f}, p99 x{p99:.2f} (target <= 2)")
+    if quiet.control_ms and attack.control_ms:
+        print(
+            f"the backend itself (control, {len(attack.control_ms)} requests): "
+            f"p50 {quantile(quiet.control_ms, 0.5):.1f} -> {quantile(attack.control_ms, 0.5):.1f} ms "
+            f"(x{quantile(attack.control_ms, 0.5) / quantile(quiet.control_ms, 0.5):.2f}), "
+            f"p99 {quantile(quiet.control_ms, 0.99):.1f} -> {quantile(attack.control_ms, 0.99):.1f} ms "
+            f"(x{quantile(attack.control_ms, 0.99) / quantile(quiet.control_ms, 0.99):.2f})"
+        )
     print(
         f"healthz under attack: max {max(attack.health_ms, default=float('nan')):.1f} ms, "
         f"p99 {quantile(attack.health_ms, 0.99):.1f} ms over {len(attack.health_ms)} polls (target < 100 ms)"
@@ -610,6 +672,15 @@ def report_loop(phase: Phase, args: argparse.Namespace) -> None:
         )
         print(f"  /healthz {took_ms:6.1f} ms at +{at - phase.started_at:5.1f} s: kvgate stalls then: {why or 'none'}"
               f" ({loop_ms:.0f} ms)")  # fmt: skip
+    for sent_at, took_ms, queue_ms in sorted(phase.normal_detail, key=lambda d: -d[1])[:5]:
+        seen = [
+            s for s in phase.stalls if sent_at <= float(str(s["at_s"])) <= sent_at + took_ms / 1000 + 0.01
+        ]
+        loop_ms = sum(float(str(s["lag_s"])) for s in seen) * 1000
+        print(
+            f"  normal {took_ms:6.1f} ms sent at +{sent_at - phase.started_at:5.1f} s: queued {queue_ms:.0f} ms, "
+            f"kvgate stalls then {loop_ms:.0f} ms"
+        )
 
 
 async def main_async(args: argparse.Namespace, url: str, port: int, pid: int) -> tuple[Phase, Phase]:
@@ -633,6 +704,12 @@ def main() -> int:
     )
     parser.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (default 40)")
     parser.add_argument("--rate", type=float, default=4.0, help="normal requests per second (default 4)")
+    parser.add_argument(
+        "--control-rate",
+        type=float,
+        default=1.0,
+        help="the same requests sent to the backend itself, per second (default 1; 0: none)",
+    )
     parser.add_argument("--slow", type=int, default=300, help="slowloris connections (default 300)")
     parser.add_argument("--template-rate", type=float, default=10.0, help="template requests/s (default 10)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -655,9 +732,10 @@ def main() -> int:
         or not 0 < args.rate <= 50
         or not 1 <= args.phase_s <= 600
         or not 0 < args.template_rate <= 200
+        or not 0 <= args.control_rate <= 50
     ):
         parser.error(
-            "--slow within 1..2000, --rate within (0, 50], --phase-s within 1..600, --template-rate within (0, 200]"
+            "--slow within 1..2000, --rate within (0, 50], --phase-s within 1..600, --template-rate within (0, 200], --control-rate within [0, 50]"
         )
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, cpu_set(args.attacker_cpus))

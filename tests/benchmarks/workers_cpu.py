@@ -11,7 +11,10 @@ round a fresh process:
 - `one`: `kvgate serve --backend SIM` (one process, no Redis);
 - `redis-1`: the same with `--redis redis://127.0.0.1:P/0 --workers 1` (one process, the
   ledger in Redis);
-- `redis-2`: `--redis ... --workers 2`: a parent holding the socket and two workers under it.
+- `redis-2`: `--redis ... --workers 2`: a parent holding the socket and two workers under it;
+- `redis-2-apart`: the same with `--set redis_shared_scrape=false`: each worker reads the
+  backend's /metrics itself, where in `redis-2` one at a time does and the other takes its
+  reading from Redis (gateway.shared_scrape).
 
 Redis is a real `redis-server --port P --save '' --appendonly no`, started once and flushed
 before each run. kvgate's CPU is that of the process `kvgate serve` started and of every
@@ -65,7 +68,7 @@ REDIS_READY_TIMEOUT_S = 10.0
 WORKERS_READY_TIMEOUT_S = 60.0
 POLL_S = 0.1
 KVGATE = "kvgate"  # the process `kvgate serve` started; its descendants are "kvgate/<pid>"
-CASES = ("one", "redis-1", "redis-2")
+CASES = ("one", "redis-1", "redis-2", "redis-2-apart")
 _ESTABLISHED = "01"
 
 
@@ -319,7 +322,10 @@ class Options:
 def case_args(case: str, redis_url: str) -> list[str]:
     if case == "one":
         return []
-    return ["--redis", redis_url, "--workers", case.rpartition("-")[2]]
+    args = ["--redis", redis_url, "--workers", case.split("-")[1]]
+    if case.endswith("-apart"):
+        args += ["--set", "redis_shared_scrape=false"]
+    return args
 
 
 def run_benchmark(options: Options, report: Any = print) -> list[Run]:
@@ -338,7 +344,7 @@ def run_benchmark(options: Options, report: Any = print) -> list[Run]:
             for case in options.cases:
                 flush_redis(redis_url)
                 args = case_args(case, redis_url)
-                workers = int(args[-1]) if args else 1
+                workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
                 log = workdir / f"kvgate-{round_no}-{case}.log"
                 with kvgate_process(REPO, sim.url, options.kvgate_cpu, log, args, options.streams) as (
                     url,
@@ -421,7 +427,7 @@ def summary(runs: list[Run]) -> dict[str, Any]:
             "exact": all(r.result.exact for r in mine),
         }  # fmt: skip
     ratios: dict[str, Any] = {}
-    for over in ("redis-1", "one"):
+    for over in ("redis-1", "one", "redis-2-apart"):
         if "redis-2" not in figures or over not in figures:
             continue
         for span, key in (

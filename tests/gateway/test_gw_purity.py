@@ -30,6 +30,7 @@ PURE_GATEWAY_MODULES = (
     "gateway.reserve",
     "gateway.routing",
     "gateway.rates",
+    "gateway.shared_reading",
     "gateway.shared_view",
     "gateway.sse",
     "gateway.vllm_metrics",

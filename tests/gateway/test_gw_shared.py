@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 from conftest import READY_TIMEOUT_S, TEST_SETTINGS, wait_until
 from redis_server import RedisServer, free_port, running_redis
@@ -79,12 +80,24 @@ def _reserves(leases: dict[bytes, bytes]) -> dict[str, int]:
     return held
 
 
+def counting_scrapes(app: Any, scrapes: list[float]) -> Any:
+    """`app` (ASGI), noting the time of every GET /metrics it is sent."""
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            scrapes.append(asyncio.get_running_loop().time())
+        await app(scope, receive, send)
+
+    return counted
+
+
 @contextlib.asynccontextmanager
 async def gateways_sharing(
     count: int,
     server: RedisServer | RedisAt,
     prefix: str,
     sim_config: SimConfig | None = None,
+    scrapes: list[float] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Sharing]:
     sim_app = create_sim_app(sim_config or SHORT_ANSWERS)
@@ -97,7 +110,8 @@ async def gateways_sharing(
     }
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(sim_app.run())
-        backend = await stack.enter_async_context(httpx.AsyncClient(transport=httpx.ASGITransport(sim_app)))
+        served = sim_app if scrapes is None else counting_scrapes(sim_app, scrapes)
+        backend = await stack.enter_async_context(httpx.AsyncClient(transport=httpx.ASGITransport(served)))
         routers: list[Router] = []
         clients: list[httpx.AsyncClient] = []
         for _ in range(count):
@@ -184,6 +198,108 @@ async def test_three_gateways_never_book_more_than_one_budget(
             await asyncio.sleep(0.01)
         ledger = (await sharing.clients[0].get("/admin/state")).json()["backends"][0]["ledger"]
         assert ledger["own_reserved_blocks"] == 0
+
+
+def scrape_roles(sharing: Sharing) -> list[str]:
+    roles = []
+    for router in sharing.routers:
+        share = router.backends[0].poller.share
+        assert share is not None
+        roles.append(share.describe()["role"])
+    return roles
+
+
+@pytest.mark.parametrize("shared_scrape", [True, False])
+async def test_one_gateway_at_a_time_reads_the_backends_metrics_and_the_others_take_its_reading(
+    redis_service: RedisServer, redis_prefix: str, shared_scrape: bool
+) -> None:
+    scrapes: list[float] = []
+    async with gateways_sharing(
+        3, redis_service, redis_prefix, scrapes=scrapes, redis_shared_scrape=shared_scrape
+    ) as sharing:
+        pollers = [router.backends[0].poller for router in sharing.routers]
+        interval_s = SHARED_TEST_SETTINGS["metrics_poll_interval_s"]
+        before = [dict(poller.readings) for poller in pollers]
+        started = asyncio.get_running_loop().time()
+        answers = await asyncio.gather(
+            *(client.post("/v1/completions", json=LONG) for client in sharing.clients for _ in range(2))
+        )
+        await asyncio.sleep(max(0.0, 1.5 - (asyncio.get_running_loop().time() - started)))
+        elapsed = asyncio.get_running_loop().time() - started
+        read = len([at for at in scrapes if at >= started])
+        assert [answer.status_code for answer in answers] == [200] * 6
+        # Every budget stayed fresh however it was read.
+        assert all(router.backends[0].snapshot().known for router in sharing.routers)
+        gained = [
+            {source: poller.readings[source] - seen[source] for source in seen}
+            for poller, seen in zip(pollers, before, strict=True)
+        ]
+        if not shared_scrape:
+            assert all(poller.share is None for poller in pollers)
+            # Each gateway reads the backend for itself.
+            assert all(got["scraped"] > 0.5 * elapsed / interval_s for got in gained), gained
+            assert all(got["shared"] == 0 for got in gained), gained
+            return
+        roles = scrape_roles(sharing)
+        assert roles.count("leads") == 1, roles
+        assert roles.count("follows") == 2, roles
+        # One process's worth of scrapes (a follower reads for itself now and then, when the
+        # reading it finds is too old on a loop three gateways share).
+        assert read < 1.6 * elapsed / interval_s, (read, elapsed)
+        leader = roles.index("leads")
+        for position, got in enumerate(gained):
+            if position == leader:
+                assert got["scraped"] > 0.5 * elapsed / interval_s, got
+                assert got["shared"] == 0, got
+            else:
+                assert got["shared"] > 0.5 * elapsed / interval_s, got
+                assert got["shared"] > 4 * got["scraped"], got
+        metrics = (await sharing.clients[(leader + 1) % 3].get("/metrics")).text
+        assert 'kvgate_backend_readings_total{backend="default",source="shared"}' in metrics
+        state = (await sharing.clients[leader].get("/admin/state")).json()["backends"][0]
+        assert state["metrics_readings"]["shared_scrape"]["role"] == "leads"
+
+
+async def test_a_gateway_alone_on_the_ledger_reads_the_backend_without_asking_or_publishing(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(1, redis_service, redis_prefix) as sharing:
+        poller = sharing.routers[0].backends[0].poller
+        before = dict(poller.readings)
+        await asyncio.sleep(0.5)
+        assert poller.readings["scraped"] > before["scraped"]
+        assert poller.readings["shared"] == 0
+        assert scrape_roles(sharing)[0].startswith("reads itself"), scrape_roles(sharing)
+        lease, reading = sharing.keys.scrape("default")
+        assert await sharing.redis.exists(lease, reading) == 0
+
+
+async def test_when_the_scrape_lease_holder_stops_another_takes_it_and_no_budget_goes_stale(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(3, redis_service, redis_prefix) as sharing:
+        await wait_until(lambda: scrape_roles(sharing).count("leads") == 1, 5.0, "a lease holder")
+        leader = scrape_roles(sharing).index("leads")
+        share = sharing.routers[leader].backends[0].poller.share
+        assert share is not None
+        # The holder dies as a process does: nothing more reaches Redis from it (it goes on
+        # reading the backend for itself), and its lease is not renewed.
+        doomed = sharing.routers[leader].shared
+        assert doomed is not None
+        await doomed.stop(give_back=False)
+        others = [router for position, router in enumerate(sharing.routers) if position != leader]
+        deadline = asyncio.get_running_loop().time() + share.lease_ttl_s + 2.0
+        while not any(
+            router.backends[0].poller.share.describe()["role"] == "leads"  # type: ignore[union-attr]
+            for router in others
+        ):
+            # Meanwhile the others read the backend themselves: no budget goes stale.
+            assert all(router.backends[0].snapshot().known for router in others)
+            assert asyncio.get_running_loop().time() < deadline, scrape_roles(sharing)
+            await asyncio.sleep(0.01)
+        for client in (sharing.clients[position] for position in range(3) if position != leader):
+            assert (await client.post("/v1/completions", json=LONG)).status_code == 200
+        assert all(router.backends[0].snapshot().known for router in others)
 
 
 def own_reserved(sharing: Sharing) -> int:
