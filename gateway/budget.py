@@ -250,6 +250,7 @@ class MetricsPoller:
         Every failure is counted and told to the budget here, not raised (`run` takes whatever
         a broken clock might still raise)."""
         result: Reconciliation | None = None
+        published: tuple[BackendReading, float] | None = None  # the reading to share, and its time
         try:
             if isinstance(turn, Follow):
                 started, reading, taken = turn.started_at, turn.reading, turn.finished_at
@@ -265,8 +266,8 @@ class MetricsPoller:
             else:
                 self.readings[source] += 1
                 self.last_source = source
-                if isinstance(turn, Lead) and self.share is not None:
-                    await self.share.publish(reading, taken - started)
+                if isinstance(turn, Lead):
+                    published = (reading, taken - started)
         except _UnreachableError as exc:
             self._fail(str(exc), unreachable=True)
         except TimeoutError as exc:
@@ -290,6 +291,9 @@ class MetricsPoller:
                     self.update_failures,
                     exc_info=exc,
                 )
+        # After the queue has seen the reading: the round trip does not delay its admissions.
+        if published is not None and self.share is not None:
+            await self.share.publish(*published)
         return result
 
     async def _scrape(self) -> BackendReading:

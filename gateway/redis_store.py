@@ -61,7 +61,7 @@ from gateway.credentials import redact_url
 from gateway.metrics import GatewayMetrics
 from gateway.reserve import RESERVE_DIVISOR, Reserve, reserve_target
 from gateway.settings import Settings
-from gateway.shared_scrape import ScrapeShare
+from gateway.shared_scrape import ScrapeShare, redis_text
 from gateway.shared_view import PeerView, SharedLedger
 from gateway.waitqueue import Booking, BookingAnswer
 
@@ -628,9 +628,9 @@ class RedisLedgerStore:
         for link in trip.publishing:
             others_booked, alive, views = next(answers)
             parsed = {
-                _text(owner): view
+                redis_text(owner): view
                 for owner, text in zip(views[::2], views[1::2], strict=True)
-                if (view := PeerView.from_text(_text(text))) is not None
+                if (view := PeerView.from_text(redis_text(text))) is not None
             }
             link.ledger.heard(int(others_booked), parsed, max(int(alive), self.settings.workers))
         if trip.renew:
@@ -672,10 +672,6 @@ def _reserve_cap(snapshot: BudgetSnapshot) -> int | None:
 def _call(pipe: Any, digest: str, keys: Sequence[str], args: Sequence[str | int]) -> None:
     """Queue one script call on a pipeline (its answer comes with the pipeline's)."""
     pipe.evalsha(digest, len(keys), *keys, *args)
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _candidate_names(bookings: Sequence[Booking]) -> list[str]:

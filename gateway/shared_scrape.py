@@ -162,9 +162,10 @@ def _published(answer: Any) -> Lead | Published | None:
         return Lead()
     if kind == 0:
         return None
-    stamp, age_ms, took_ms, text = (_text(part) for part in answer[1:5])
+    stamp, age_ms, took_ms, text = (redis_text(part) for part in answer[1:5])
     return Published(stamp=stamp, age_s=int(age_ms) / 1000, took_s=float(took_ms) / 1000, text=text)
 
 
-def _text(value: Any) -> str:
+def redis_text(value: Any) -> str:
+    """A value from Redis (bytes, or str when the client decodes) as text."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
