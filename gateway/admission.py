@@ -288,8 +288,12 @@ class AdmissionPolicy:
     def overflow_fleet(
         self, priority: Priority, waiting: int, queued_blocks: int, targets: Sequence[Target]
     ) -> Decision | None:
-        """`overflow` over the targets' combined free blocks and drain rate."""
-        if waiting < self.config.max_queued.get(priority, 0):
+        """`overflow` over the targets' combined free blocks and drain rate. The bound is
+        `max_queued` per target that is not down: the queue of a model drains into all of its
+        backends, so a fleet of four queues four backends' worth, as four gateways in front of
+        one backend each would."""
+        serving = max(1, sum(1 for t in targets if t.budget.state is not BudgetState.DOWN))
+        if waiting < self.config.max_queued.get(priority, 0) * serving:
             return None
         free = sum(t.budget.free_blocks for t in targets)
         retry_s = retry_after(queued_blocks - free, _combined_rate(targets))
@@ -434,6 +438,7 @@ def _place(
                 name=target.name,
                 free_blocks=free[target.name],
                 admissible_blocks=target.budget.admissible_blocks,
+                pool_blocks=target.budget.pool_limit_blocks,
                 committed_blocks=committed[target.name],
                 prefix_blocks=prefix_on.get(target.name, 0) if prefix_on is not None else 0,
                 chosen_at=chosen_at[target.name],

@@ -208,7 +208,9 @@ class Backend:
         if self.info is None:
             return False, "backend models not discovered yet"
         snapshot = self.snapshot()
-        return snapshot.known, snapshot.detail
+        # A stale budget that the scrape in flight may renew queues arrivals rather than refusing
+        # them: the gateway serves, a moment late, so a load balancer should keep sending.
+        return snapshot.known or snapshot.renewing, snapshot.detail
 
     def gauge_readings(self, queue_depth: Any) -> GaugeReadings:
         snapshot = self.snapshot()

@@ -500,10 +500,11 @@ class Router:
             candidates.append(
                 Candidate(
                     backend.name,
-                    snapshot.free_blocks,
-                    snapshot.admissible_blocks,
-                    snapshot.committed_blocks,
-                    0,
+                    free_blocks=snapshot.free_blocks,
+                    admissible_blocks=snapshot.admissible_blocks,
+                    pool_blocks=snapshot.pool_limit_blocks,
+                    committed_blocks=snapshot.committed_blocks,
+                    prefix_blocks=0,
                 )
             )
         chosen = choose(candidates, reserve)

@@ -1,7 +1,8 @@
 """Which backend of a fleet takes a request: pure choice from admission headroom and prefix reuse.
 
 Two things make a backend a good home for a request. Headroom: the KV blocks it has free after
-the request, which the admission check already measured. Prefix reuse: the leading blocks of
+the request, counted against its pool (an overcommitted share admits more than the pool, but it
+is no more room there than elsewhere). Prefix reuse: the leading blocks of
 the prompt it probably still caches, which it would not compute or hold twice. `PrefixIndex`
 predicts the second from what the gateway sent each backend; `choose` weighs the two, and lets
 reuse win only while it does not pile load onto one backend (IMBALANCE_THRESHOLD).
@@ -103,7 +104,8 @@ class Candidate:
     """One backend as the choice sees it, in KV blocks of that backend.
 
     `free_blocks` is what the admission check used: admissible - committed, clamped at 0.
-    `admissible_blocks` is what the gateway may commit on it in all; `committed_blocks` what
+    `admissible_blocks` is what the gateway may commit on it in all, `pool_blocks` the pool
+    that share is a fraction of (`BudgetSnapshot.pool_limit_blocks`); `committed_blocks` what
     admitted requests hold now; `prefix_blocks` the leading blocks of this request its
     PrefixIndex matched; `chosen_at` when it was last given a request (monotonic seconds),
     so that equal candidates take turns rather than the first by name taking everything."""
@@ -111,19 +113,29 @@ class Candidate:
     name: str
     free_blocks: int
     admissible_blocks: int
+    pool_blocks: int
     committed_blocks: int
     prefix_blocks: int
     chosen_at: float = 0.0
 
 
+def room(candidate: Candidate) -> int:
+    """The blocks `candidate` holds for the gateway as the choice weighs them: its admissible
+    share, never more than its pool. An overcommitted share (admissible > pool) admits on the
+    evidence that reservations overstate what requests hold, which is true of every backend
+    alike; counted as room, it would send one backend everything while the others idle."""
+    return min(candidate.admissible_blocks, candidate.pool_blocks)
+
+
 def load_after(candidate: Candidate, reserve_blocks: int) -> float:
-    """The fraction of `candidate`'s admissible blocks committed once this request's
-    `reserve_blocks` are: (committed + reserve) / admissible; infinite when nothing is
-    admissible (and something would be reserved)."""
+    """The fraction of `candidate`'s room committed once this request's `reserve_blocks`
+    are: (committed + reserve) / room; infinite when there is no room (and something would be
+    reserved)."""
     committed = candidate.committed_blocks + reserve_blocks
-    if candidate.admissible_blocks <= 0:
+    capacity = room(candidate)
+    if capacity <= 0:
         return math.inf if committed > 0 else 0.0
-    return committed / candidate.admissible_blocks
+    return committed / capacity
 
 
 def choose(candidates: Sequence[Candidate], reserve_blocks: Mapping[str, int]) -> str | None:
@@ -133,7 +145,7 @@ def choose(candidates: Sequence[Candidate], reserve_blocks: Mapping[str, int]) -
     whose free_blocks >= its reserve. Among them, the one with the longest prefix match (> 0)
     unless its load after the request exceeds the least loaded eligible candidate's by more
     than IMBALANCE_THRESHOLD (see `load_after`); otherwise, or when no prefix matches, the one
-    with the most free blocks after the request (free - reserve). Ties (equal match, then equal
+    with the most headroom after the request (room - committed - reserve, see `room`). Ties (equal match, then equal
     free blocks after) go to the candidate chosen least recently, then the smallest name, so
     an idle fleet takes turns and the choice is deterministic."""
     eligible = [c for c in candidates if c.name in reserve_blocks and c.free_blocks >= reserve_blocks[c.name]]
@@ -141,9 +153,9 @@ def choose(candidates: Sequence[Candidate], reserve_blocks: Mapping[str, int]) -
         return None
 
     def headroom(c: Candidate) -> tuple[int, float, str]:
-        # Sorted ascending: most free blocks after the request first, then the one that waited
+        # Sorted ascending: most headroom after the request first, then the one that waited
         # longest since it was last chosen, then the smallest name.
-        return (-(c.free_blocks - reserve_blocks[c.name]), c.chosen_at, c.name)
+        return (-(room(c) - c.committed_blocks - reserve_blocks[c.name]), c.chosen_at, c.name)
 
     best_match = min(eligible, key=lambda c: (-c.prefix_blocks, *headroom(c)))
     if best_match.prefix_blocks > 0:

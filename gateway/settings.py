@@ -113,7 +113,9 @@ class PriorityClass(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     queue_max: int = Field(
-        DEFAULT_QUEUE_MAX_REQUESTS, ge=0, description="requests of the class that may wait"
+        DEFAULT_QUEUE_MAX_REQUESTS,
+        ge=0,
+        description="requests of the class that may wait, per backend of their model",
     )
     queue_timeout_s: float = Field(
         DEFAULT_QUEUE_TIMEOUT_S,
@@ -320,7 +322,10 @@ class Settings(BaseSettings):
     # Queue (decide).
     priority_classes: dict[Priority, PriorityClass] = Field(
         default_factory=_default_classes,
-        description="per priority (high, normal, low): queue_max requests waiting, queue_timeout_s",
+        description=(
+            "per priority (high, normal, low): queue_max requests waiting (per backend of the"
+            " model), queue_timeout_s"
+        ),
     )
     hol_deadline_share: float = Field(
         DEFAULT_HOL_DEADLINE_SHARE,

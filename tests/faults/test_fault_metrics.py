@@ -188,6 +188,10 @@ def test_an_arrival_after_a_scrape_too_slow_waits_for_the_next_instead_of_a_503(
         set_faults(sim.url, metrics_delay_s=2.0)
         kvgate.wait_until(lambda gw: gw.poller.failures == 1, what="one scrape timed out")
         assert budget_state(kvgate) == "stale"
+        # It serves, a moment late: /readyz keeps the load balancer sending.
+        status, why = readyz(kvgate)
+        assert status == 200, why
+        assert "may renew" in why
         arrival = pool.submit(httpx.post, f"{kvgate.url}/v1/completions", json=SMALL, timeout=30)
         kvgate.wait_until(lambda gw: len(gw.queue) == 1 or arrival.done(), what="the arrival queued")
         clear_faults(sim.url)

@@ -17,6 +17,7 @@ from gateway.admission import (
     Prediction,
     Priority,
     Reason,
+    Target,
     Waiter,
     retry_after,
 )
@@ -127,6 +128,19 @@ def test_overflow(priority: Priority, waiting: int, full: bool) -> None:
     else:
         assert decision is not None
         assert (decision.reason, decision.retry_after_s) == (Reason.QUEUE_FULL, pytest.approx(2.0))
+
+
+def test_a_fleet_queues_queue_max_per_backend_that_is_not_down() -> None:
+    # Four per class and backend: three backends, one of them down, hold eight.
+    down = budget(0, known=False, state=BudgetState.DOWN)
+    fleet = [Target("a", budget(2), 1.0), Target("b", budget(2), 1.0), Target("c", down, None)]
+    assert POLICY.overflow_fleet(Priority.NORMAL, 7, 30, fleet) is None
+    full = POLICY.overflow_fleet(Priority.NORMAL, 8, 30, fleet)
+    assert full is not None
+    # The retry hint: the queued blocks beyond the free ones, at the two live drain rates.
+    assert (full.reason, full.retry_after_s) == (Reason.QUEUE_FULL, pytest.approx(13.0))
+    # With every backend down the bound is one backend's (the arrival is 503 before that).
+    assert POLICY.overflow_fleet(Priority.NORMAL, 4, 30, [Target("c", down)]) is not None
 
 
 # -- plan -------------------------------------------------------------------------------------

@@ -155,11 +155,16 @@ def test_index_behaves_as_its_specification(capacity: int, ops: list[tuple[str, 
 # ---------------------------------------------------------------- choose
 
 
-def _candidate(name: str, admissible: int, committed: int, prefix: int = 0) -> Candidate:
+def _candidate(
+    name: str, admissible: int, committed: int, prefix: int = 0, pool: int | None = None
+) -> Candidate:
+    """A candidate whose share is `admissible` blocks of a `pool` (by default the share is
+    the whole pool: no overcommit)."""
     return Candidate(
         name=name,
         free_blocks=max(0, admissible - committed),
         admissible_blocks=admissible,
+        pool_blocks=admissible if pool is None else pool,
         committed_blocks=committed,
         prefix_blocks=prefix,
     )
@@ -180,6 +185,24 @@ def test_without_a_prefix_match_the_most_headroom_wins() -> None:
     fleet = [_candidate("a", 64, 40), _candidate("b", 64, 10), _candidate("c", 128, 80)]
     # Free after: a 24-4=20, b 54-4=50, c 48-6=42 (c's blocks are bigger in count).
     assert choose(fleet, {"a": 4, "b": 4, "c": 6}) == "b"
+
+
+def test_an_overcommitted_share_is_no_more_headroom_than_the_pool() -> None:
+    # a's share is overcommitted to 150 of its 100-block pool: 110 free for admission, but only
+    # 100 - 40 = 60 of room, against b's 90. Counting the overcommit as room would send a every
+    # request until its 40 committed blocks reached 60 more than b's.
+    fleet = [_candidate("a", 150, 40, pool=100), _candidate("b", 100, 10)]
+    assert choose(fleet, {"a": 2, "b": 2}) == "b"
+    # Still eligible on its share: when b has no room left, a takes it.
+    assert choose([fleet[0], _candidate("b", 100, 99)], {"a": 2, "b": 2}) == "a"
+    # And its load is measured against the pool: (40 + 2) / 100.
+    assert load_after(fleet[0], 2) == 0.42
+
+
+def test_a_share_below_the_pool_is_the_room() -> None:
+    # After preemptions a's share is 60 of its 100 blocks: its room is 60 - 20 = 40, b's 50.
+    fleet = [_candidate("a", 60, 20, pool=100), _candidate("b", 64, 14)]
+    assert choose(fleet, {"a": 4, "b": 4}) == "b"
 
 
 def test_headroom_ties_go_to_the_smallest_name() -> None:
@@ -236,10 +259,17 @@ def fleets(draw: st.DrawFn) -> tuple[list[Candidate], dict[str, int]]:
     for name in chosen:
         admissible = draw(st.integers(0, 200))
         committed = draw(st.integers(0, 250))
-        fleet.append(_candidate(name, admissible, committed, draw(st.integers(0, 6))))
+        # The pool: the share's own size, or another (a share overcommitted or cut back).
+        pool = draw(st.one_of(st.just(admissible), st.integers(0, 200)))
+        fleet.append(_candidate(name, admissible, committed, draw(st.integers(0, 6)), pool=pool))
         if draw(st.booleans()) or len(chosen) == 1:
             reserves[name] = draw(st.integers(0, 60))
     return fleet, reserves
+
+
+def _headroom_after(c: Candidate, reserves: dict[str, int]) -> int:
+    """The oracle's headroom: the smaller of share and pool, less committed and reserve."""
+    return min(c.admissible_blocks, c.pool_blocks) - c.committed_blocks - reserves[c.name]
 
 
 def _eligible(fleet: list[Candidate], reserves: dict[str, int]) -> list[Candidate]:
@@ -262,13 +292,13 @@ def test_without_matches_the_choice_has_the_most_headroom(
     drawn: tuple[list[Candidate], dict[str, int]],
 ) -> None:
     fleet, reserves = drawn
-    fleet = [_candidate(c.name, c.admissible_blocks, c.committed_blocks) for c in fleet]
+    fleet = [_candidate(c.name, c.admissible_blocks, c.committed_blocks, pool=c.pool_blocks) for c in fleet]
     chosen = choose(fleet, reserves)
     eligible = _eligible(fleet, reserves)
     if not eligible:
         return
-    most = max(c.free_blocks - reserves[c.name] for c in eligible)
-    best = min(c.name for c in eligible if c.free_blocks - reserves[c.name] == most)
+    most = max(_headroom_after(c, reserves) for c in eligible)
+    best = min(c.name for c in eligible if _headroom_after(c, reserves) == most)
     assert chosen == best
 
 
@@ -282,7 +312,7 @@ def test_a_match_within_the_threshold_is_chosen_else_the_most_headroom(
         return
 
     def headroom(c: Candidate) -> tuple[int, str]:
-        return (-(c.free_blocks - reserves[c.name]), c.name)
+        return (-_headroom_after(c, reserves), c.name)
 
     longest = max(c.prefix_blocks for c in eligible)
     match = min((c for c in eligible if c.prefix_blocks == longest), key=headroom)
@@ -303,7 +333,7 @@ def test_the_choice_is_deterministic_and_ignores_candidate_order(
 
 def test_equal_candidates_take_turns() -> None:
     # An idle fleet: equal headroom, no prefix. The one chosen least recently takes it.
-    a = Candidate("a", 10, 10, 0, 0, chosen_at=5.0)
-    b = Candidate("b", 10, 10, 0, 0, chosen_at=3.0)
+    a = Candidate("a", 10, 10, 10, 0, 0, chosen_at=5.0)
+    b = Candidate("b", 10, 10, 10, 0, 0, chosen_at=3.0)
     assert choose([a, b], {"a": 2, "b": 2}) == "b"
     assert choose([replace(a, chosen_at=1.0), b], {"a": 2, "b": 2}) == "a"
