@@ -122,8 +122,9 @@ class Candidate:
 def room(candidate: Candidate) -> int:
     """The blocks `candidate` holds for the gateway as the choice weighs them: its admissible
     share, never more than its pool. An overcommitted share (admissible > pool) admits on the
-    evidence that reservations overstate what requests hold, which is true of every backend
-    alike; counted as room, it would send one backend everything while the others idle."""
+    evidence that reservations overstate what requests hold; that evidence is about the
+    requests, not about this backend, so counted as room it would send the backend whose share
+    grew first everything while the others idle."""
     return min(candidate.admissible_blocks, candidate.pool_blocks)
 
 
@@ -145,9 +146,9 @@ def choose(candidates: Sequence[Candidate], reserve_blocks: Mapping[str, int]) -
     whose free_blocks >= its reserve. Among them, the one with the longest prefix match (> 0)
     unless its load after the request exceeds the least loaded eligible candidate's by more
     than IMBALANCE_THRESHOLD (see `load_after`); otherwise, or when no prefix matches, the one
-    with the most headroom after the request (room - committed - reserve, see `room`). Ties (equal match, then equal
-    free blocks after) go to the candidate chosen least recently, then the smallest name, so
-    an idle fleet takes turns and the choice is deterministic."""
+    with the most headroom after the request (room - committed - reserve, see `room`). Ties
+    (equal match, then equal headroom after) go to the candidate chosen least recently, then
+    the smallest name, so an idle fleet takes turns and the choice is deterministic."""
     eligible = [c for c in candidates if c.name in reserve_blocks and c.free_blocks >= reserve_blocks[c.name]]
     if not eligible:
         return None
