@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httptools
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -279,13 +280,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     completed = Counter[str]()
     shed = Counter[str]()
-    for line in metrics.splitlines():
-        if line.startswith("kvgate_shed_total{"):
-            code = line.split('code="', 1)[1].split('"', 1)[0]
-            shed[code] += int(float(line.rsplit(" ", 1)[1]))
-        if line.startswith("kvgate_requests_total{") and 'outcome="completed"' in line:
-            backend = line.split('backend="', 1)[1].split('"', 1)[0]
-            completed[backend] += int(float(line.rsplit(" ", 1)[1]))
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "kvgate_shed_total":
+                shed[sample.labels["code"]] += int(sample.value)
+            elif sample.name == "kvgate_requests_total" and sample.labels["outcome"] == "completed":
+                completed[sample.labels["backend"]] += int(sample.value)
     balanced = all(
         b["ledger"]["entries"] == 0
         and b["ledger"]["reserved_blocks"] == 0
