@@ -36,14 +36,15 @@ cannot use yet, within the same bounds).
 Predicted wait: the blocks that must free up before a waiter fits (everything still queued
 ahead of it, plus its own reservation, minus what is free) divided by the observed rate at
 which blocks free up. When that lands past its deadline it is shed at once with 429 rather
-than left to time out; with no rate observed yet nobody is shed early. That prediction holds
+than left to time out, as long as it is young enough (`REFUSE_WITHIN_S`) for a refusal to
+be of use; with no rate observed yet nobody is shed early. That prediction holds
 for a queue served in order; bypassing makes small requests wait less and large ones more, and
 an optional `WaitScale` corrects an arrival's prediction for its size.
 
 One deadline per request, `deadline_at`: the last moment it may leave the queue and still give
 the client what its headers ask for (its whole answer by `X-Kvgate-Deadline-Ms`, or its first
 token by `X-Kvgate-TTFT-Ms` alone; see `gateway.client_hints`). It is shed then, or as soon
-as missing it is predicted. docs/admission.md states the whole model with its formulas.
+as missing it is predicted within its refusal horizon. docs/admission.md states the whole model with its formulas.
 """
 
 from __future__ import annotations
@@ -147,6 +148,12 @@ RETRY_AFTER_MAX_S = 60.0
 # Overtakes after which a waiter blocks the queue even when no drain rate says its deadline
 # needs the blocks (see the module docstring).
 MAX_BYPASS = 128
+# How long after its arrival a waiter may still be shed because a new prediction says it will
+# miss its deadline. A refusal is worth something to a client only while it can still go
+# elsewhere: at least 98% of refusals must come within 1 s of arrival, and the plans that
+# re-predict run on events, so the horizon stops short of that second. Past it the waiter
+# keeps its place until it is admitted or its deadline passes.
+REFUSE_WITHIN_S = 0.9
 
 
 def retry_after(blocks_to_free: float, drain_rate: float | None) -> float:
@@ -168,6 +175,8 @@ class PolicyConfig:
     # prediction has errors, and a request let in on a close call that then misses would be
     # shed late, after waiting for nothing.
     arrival_slack: float = 0.0
+    # Past this age a waiter is no longer shed on a re-prediction (see REFUSE_WITHIN_S).
+    refuse_within_s: float = REFUSE_WITHIN_S
 
 
 class WaitScale(Protocol):
@@ -372,7 +381,9 @@ class AdmissionPolicy:
             predicted_s = held_wait_s
             if held_wait_s is not None and scale is not None and waiter.arriving:
                 predicted_s = held_wait_s * scale.factor(ask.reserve_blocks, pool_blocks)
-            if predicted_s is not None:
+            # A waiter past the refusal horizon was promised its place: it holds it.
+            refusable = now - ask.arrived_at < self.config.refuse_within_s
+            if predicted_s is not None and refusable:
                 latest = ask.deadline_at
                 if waiter.arriving:
                     latest = now + (ask.deadline_at - now) * (1.0 - self.config.arrival_slack)

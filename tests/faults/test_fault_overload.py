@@ -11,7 +11,7 @@ up then (with no rate it judges nobody, and the tests below would pass for that 
 - Five times the capacity, for several seconds, clients with a deadline (with or without a
   first-token time): arrivals predicted to miss their deadline are shed with 429
   `deadline_unreachable` (retryable, with Retry-After), most at arrival and the rest as soon as
-  the drain shows they will miss, never after their deadline; the rest are served late for any
+  the drain shows they will miss, within a second of arrival; the rest are served late for any
   first-token time but within the deadline.
 - The same overload, clients with a first-token time only: that time is their deadline, so
   arrivals are shed at once unless they can have their first token in time, and the requests
@@ -38,6 +38,7 @@ import httpx
 import pytest
 from faultkit import KvgateProcess, SimProcess, kvgate_process, ledger_balanced, poll_until, sim_process
 
+from gateway.admission import REFUSE_WITHIN_S
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
 
@@ -230,12 +231,13 @@ def test_deadline_clients_beyond_capacity_are_shed_for_their_deadline_only(
     assert set(codes) <= {"deadline_unreachable", "deadline_expired"}
     unreachable = [o for o in outcomes if o.code == "deadline_unreachable"]
     # Most are refused at arrival; a waiter that the drain then shows will miss is refused as
-    # soon as that is predicted (docs/admission.md), later than an arrival but never after its
-    # deadline.
+    # soon as that is predicted, but only within the refusal horizon (docs/admission.md):
+    # none of these refusals comes much later than a second after its request was sent (the
+    # margin is for a shared machine's loop lag).
     prompt = [o for o in unreachable if o.answered_s < PROMPT_SHED_S]
     assert len(prompt) >= 0.8 * len(unreachable), sorted(round(o.answered_s, 2) for o in unreachable)
     for outcome in unreachable:
-        assert_prompt_retryable_429(outcome, within_s=OVERLOAD_DEADLINE_S)
+        assert_prompt_retryable_429(outcome, within_s=REFUSE_WITHIN_S + 0.6)
     assert len(served) >= CAPACITY_PER_S * OVERLOAD_S / 2
     # A client with a deadline waits for its answer: the queue stays as long as the deadline
     # allows, and most first tokens come well after the first-token time (which a client of

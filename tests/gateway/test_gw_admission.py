@@ -217,6 +217,23 @@ def test_predicted_miss_is_shed_early_with_a_drain_based_retry_hint() -> None:
     assert decision.retry_after_s == pytest.approx(4.0)
 
 
+def test_a_waiter_past_the_refusal_horizon_keeps_its_place_until_its_deadline() -> None:
+    # 40 blocks short at 10 blocks/s: 4 s; arrived at 0 with a deadline at 3.5 s.
+    late_call = ask(50, deadline=3.5)
+    young = POLICY.plan(waiters(late_call), budget(10), 10.0, now=CONFIG.refuse_within_s - 0.01)
+    assert [(k, d.reason) for k, d in young.shed] == [(0, Reason.DEADLINE_UNREACHABLE)]
+    # Past the horizon the same prediction no longer refuses it: a refusal that late would
+    # reach a client that has already waited for nothing.
+    old = POLICY.plan(waiters(late_call), budget(10), 10.0, now=CONFIG.refuse_within_s)
+    assert (old.admit, old.shed) == ((), ())
+    # It still holds the queue for its blocks, and goes at its deadline if they never come.
+    behind = POLICY.plan(waiters(late_call, ask(5)), budget(10), 10.0, now=CONFIG.refuse_within_s)
+    assert (behind.admit, behind.shed) == ((), ())
+    expired = POLICY.plan(waiters(late_call), budget(10), 10.0, now=3.5)
+    assert [(k, d.reason) for k, d in expired.shed] == [(0, Reason.DEADLINE_EXPIRED)]
+    assert POLICY.plan(waiters(late_call), budget(50), 10.0, now=3.0).admit == (0,)
+
+
 def test_work_ahead_counts_in_the_predicted_wait() -> None:
     # The second waiter needs 10 but 40 are queued ahead of it: (40 + 10 - 0) / 10 = 5 s.
     queue = waiters(ask(40, deadline=100.0), ask(10, deadline=4.0))
