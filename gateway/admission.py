@@ -44,7 +44,8 @@ an optional `WaitScale` corrects an arrival's prediction for its size.
 One deadline per request, `deadline_at`: the last moment it may leave the queue and still give
 the client what its headers ask for (its whole answer by `X-Kvgate-Deadline-Ms`, or its first
 token by `X-Kvgate-TTFT-Ms` alone; see `gateway.client_hints`). It is shed then, or as soon
-as missing it is predicted within its refusal horizon. docs/admission.md states the whole model with its formulas.
+as missing it is predicted within its refusal horizon. docs/admission.md states the whole
+model with its formulas.
 """
 
 from __future__ import annotations
@@ -172,8 +173,8 @@ class PolicyConfig:
     hol_deadline_share: float = 0.5
     max_bypass: int = MAX_BYPASS
     # An arrival must be predicted ready this share of its time to the deadline early: a
-    # prediction has errors, and a request let in on a close call that then misses would be
-    # shed late, after waiting for nothing.
+    # prediction has errors, and a request let in on a close call that then misses waits for
+    # nothing (past the refusal horizon, until its deadline).
     arrival_slack: float = 0.0
     # Past this age a waiter is no longer shed on a re-prediction (see REFUSE_WITHIN_S).
     refuse_within_s: float = REFUSE_WITHIN_S
