@@ -92,6 +92,9 @@ class Backend:
         self.info: BackendInfo | None = None
         self._on_discovered = on_discovered
         self._on_scrape = on_scrape
+        # Set once the first discovery attempt and the first scrape have each ended, either way.
+        self._first_discovery = asyncio.Event()
+        self._first_scrape = asyncio.Event()
         self.headers: dict[str, str] = {}
         self._authorization: bytes | None = None
         if settings.backend_api_key is not None:
@@ -157,17 +160,26 @@ class Backend:
         self.info = info
         return info
 
+    async def looked_at(self) -> None:
+        """Return once the first discovery attempt and the first scrape have each ended, whether
+        they reached the backend or not."""
+        await self._first_discovery.wait()
+        await self._first_scrape.wait()
+
     async def _discover_forever(self) -> None:
         while True:
+            pause = DISCOVERY_REFRESH_S
             try:
                 await self.discover()
             except DiscoveryError as exc:
                 log.warning("backend %s: %s", self.name, exc)
-                await asyncio.sleep(self.settings.discovery_retry_s)
-                continue
-            await asyncio.sleep(DISCOVERY_REFRESH_S)
+                pause = self.settings.discovery_retry_s
+            finally:
+                self._first_discovery.set()
+            await asyncio.sleep(pause)
 
     def _scraped(self, reconciliation: Reconciliation | None) -> None:
+        self._first_scrape.set()
         if reconciliation is None:
             self.metrics.scrape_failures.labels(self.name).inc()
         else:

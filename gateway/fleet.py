@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # How often backends named by DNS are resolved again (a headless Service's pods come and go).
 DNS_REFRESH_S = 10.0
+# How long a starting kvgate waits for the first discovery and scrape of its backends before it
+# serves anyway: beyond a discovery's time limit, a tokenizer may still be loading.
+FIRST_LOOK_WAIT_S = 15.0
 
 # Resolves a host name and port to addresses.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -122,11 +125,21 @@ class Fleet:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start every backend's discovery and poller, and return once each backend was looked
+        at (at most FIRST_LOOK_WAIT_S): a request let in before would be refused for a backend
+        not reached yet, one that the next moment would have served it. The connections that
+        came meanwhile wait in the listening socket's queue (for a worker of `kvgate serve
+        --workers`, the one its predecessor left)."""
         for backend in self.backends:
             await backend.start()
         if self._resolving:
             await self.resolve_once()
             self._resolver_task = asyncio.create_task(self._resolve_forever(), name="kvgate-dns")
+        looks = asyncio.gather(*(backend.looked_at() for backend in self.backends))
+        try:
+            await asyncio.wait_for(looks, FIRST_LOOK_WAIT_S)
+        except TimeoutError:
+            log.warning("serving before every backend was reached (%.0f s passed)", FIRST_LOOK_WAIT_S)
 
     async def stop(self) -> None:
         if self._resolver_task is not None:

@@ -5,7 +5,8 @@ Every setting can come from a flag, a `KVGATE_*` environment variable or the `--
 any other is set with `--set NAME=VALUE` (names as in `gateway.settings.Settings`).
 
 `--workers N` (with `--redis URL`) runs N kvgate processes on the one port, which share their
-budget through Redis; this process then only holds the socket and watches them (gateway.workers).
+budget through Redis; this process then only holds their listening sockets and watches them
+(gateway.workers).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
     sources = SettingsSources(overrides, args.config)
     if settings.workers > 1:
-        # This process only holds the socket and watches the workers (gateway.workers).
+        # This process only holds the listening sockets and watches the workers (gateway.workers).
         return supervise(settings, sources)
     serve_gateway(settings, sources)
     return 0

@@ -26,7 +26,7 @@ from gateway.cli import build_parser, main
 from gateway.redis_store import RESERVE_LEASE, KeyNames
 from gateway.serve_cli import UsageError, overrides_from
 from gateway.settings import Settings, load_settings
-from gateway.workers import EXIT_FAILURE, SettingsSources, Supervisor, worker_message
+from gateway.workers import EXIT_FAILURE, SettingsSources, Supervisor, listening_sockets, worker_message
 from sim.config import SimConfig
 from sim.testing import running_sim
 
@@ -198,7 +198,8 @@ def test_a_workers_message_rebuilds_the_validated_settings() -> None:
 
 
 # A stand-in for `python -m gateway.workers` that records what the parent does to it, one line
-# per event in the file named by argv[1]: "start PID RELOAD", "hup PID", "term PID".
+# per event in the file named by argv[1]: "start PID RELOAD SOCKET", "hup PID", "term PID"
+# (SOCKET: the inode of the listening socket it was passed).
 FAKE_WORKER = """
 import argparse, json, os, signal, sys, time
 log_path = sys.argv[1]
@@ -221,8 +222,7 @@ if message.get("fail"):
     while "start" not in (open(log_path).read() if os.path.exists(log_path) else ""):
         time.sleep(0.01)
     sys.exit(5)
-os.fstat(args.listen_fd)  # the listening socket was passed on
-record("start", message["reload"])
+record("start", message["reload"], os.fstat(args.listen_fd).st_ino)
 os.write(args.ready_fd, b"1")
 os.close(args.ready_fd)
 while True:
@@ -246,22 +246,28 @@ def test_supervisor_passes_signals_on_and_replaces_a_worker_that_died(tmp_path: 
     command = (sys.executable, "-c", FAKE_WORKER, str(log))
 
     async def scenario() -> int:
-        with socket.create_server(("127.0.0.1", 0)) as sock:
+        sockets = listening_sockets("127.0.0.1", 0, 2)
+        with sockets[0], sockets[1]:
             supervisor = Supervisor(
-                lambda reload: json.dumps({"reload": reload}).encode() + b"\n", 2, sock, command=command
+                lambda reload: json.dumps({"reload": reload}).encode() + b"\n", sockets, command=command
             )
             running = asyncio.create_task(supervisor.run())
             await until(lambda: len(events(log)) == 2, "two workers to start")
             assert [event[2] for event in events(log)] == ["False", "False"]
             first, second = (int(event[1]) for event in events(log))
+            # Each slot has a socket of its own.
+            socket_of = {int(event[1]): event[3] for event in events(log)}
+            assert socket_of[first] != socket_of[second]
             os.kill(os.getpid(), signal.SIGHUP)
             await until(lambda: sum(event[0] == "hup" for event in events(log)) == 2, "both to reload")
             os.kill(second, signal.SIGKILL)
             await until(lambda: len([e for e in events(log) if e[0] == "start"]) == 3, "a replacement")
             replacement = events(log)[-1]
-            # It starts after the reload the others applied, so it applies it too.
+            # It starts after the reload the others applied, so it applies it too, and it accepts
+            # on the socket of the worker it replaces, where connections waited for it.
             assert replacement[0] == "start"
             assert replacement[2] == "True"
+            assert replacement[3] == socket_of[second]
             # Ctrl-C on the parent: each worker is sent SIGTERM (the fake would die of SIGINT).
             os.kill(os.getpid(), signal.SIGINT)
             code = await asyncio.wait_for(running, 30)
@@ -278,15 +284,44 @@ def test_supervisor_stops_all_when_a_worker_never_serves(tmp_path: Path) -> None
     messages = iter([{"reload": False}, {"reload": False, "fail": True}])
 
     async def scenario() -> int:
-        with socket.create_server(("127.0.0.1", 0)) as sock:
+        sockets = listening_sockets("127.0.0.1", 0, 2)
+        with sockets[0], sockets[1]:
             supervisor = Supervisor(
-                lambda reload: json.dumps(next(messages)).encode() + b"\n", 2, sock, command=command
+                lambda reload: json.dumps(next(messages)).encode() + b"\n", sockets, command=command
             )
             return await asyncio.wait_for(supervisor.run(), 60)
 
     # The one that failed is not restarted, and the one that served is stopped.
     assert asyncio.run(scenario()) == EXIT_FAILURE
     assert [event[0] for event in events(log)] == ["start", "term"]
+
+
+def test_the_kernel_spreads_a_burst_of_connections_over_the_worker_slots() -> None:
+    # One socket shared by the workers let whichever woke first take a whole burst.
+    sockets = listening_sockets("127.0.0.1", 0, 2)
+    port = sockets[0].getsockname()[1]
+    assert sockets[1].getsockname()[1] == port
+    accepted = [0, 0]
+    clients: list[socket.socket] = []
+    try:
+        for sock in sockets:
+            sock.setblocking(False)
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+        deadline = time.monotonic() + 10
+        while sum(accepted) < len(clients):
+            assert time.monotonic() < deadline, f"only {accepted} of {len(clients)} accepted"
+            for slot, sock in enumerate(sockets):
+                with contextlib.suppress(BlockingIOError):
+                    connection, _ = sock.accept()
+                    connection.close()
+                    accepted[slot] += 1
+    finally:
+        for client in clients:
+            client.close()
+        for sock in sockets:
+            sock.close()
+    # Spread by the clients' addresses: 100 each on average, 7 the standard deviation.
+    assert all(60 <= count <= 140 for count in accepted), accepted
 
 
 def children_of(pid: int) -> set[int]:
@@ -325,6 +360,8 @@ def test_kvgate_serve_workers_share_the_port_and_the_budget(tmp_path: Path) -> N
                 "warning",
                 "--set",
                 "metrics_poll_interval_s=0.05",
+                "--set",
+                "redis_lease_ttl_s=2",
             ],
             cwd=REPO,
             stdout=out,
@@ -359,9 +396,23 @@ def test_kvgate_serve_workers_share_the_port_and_the_budget(tmp_path: Path) -> N
                     f"{url}/v1/completions", json=body, headers={"connection": "close"}, timeout=30
                 )
                 assert response.status_code == 200, response.text
+            # A worker killed: new connections keep coming to its slot's socket, where they wait
+            # for its replacement rather than being refused.
+            victim = min(workers)
+            os.kill(victim, signal.SIGKILL)
+            for _ in range(8):
+                response = httpx.post(
+                    f"{url}/v1/completions", json=body, headers={"connection": "close"}, timeout=60
+                )
+                assert response.status_code == 200, response.text
+            deadline = time.monotonic() + 60
+            while victim in workers or len(workers) != 2:
+                assert time.monotonic() < deadline, f"no replacement for worker {victim}: {workers}"
+                time.sleep(0.05)
+                workers = children_of(process.pid)
             # They are two processes of one deployment in Redis, their requests were booked
-            # there, and once every answer is in, nothing is booked any more but the workers'
-            # standing reserves.
+            # there, and once every answer is in (and the killed worker's leases expired),
+            # nothing is booked any more but the workers' standing reserves.
             deadline = time.monotonic() + 30
             lease = keys.backend("default")[0]
             while store.zcard(keys.alive) != 2 or not all(
