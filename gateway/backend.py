@@ -251,7 +251,7 @@ class Backend:
     def close(self, key: int, now: float) -> ClosedEntry | None:
         closed = self.ledger.close(key)
         if closed is not None:
-            self.pace.completed(closed.reserved_blocks, now)
+            self.pace.completed(closed.reserved_blocks, now, reached_blocks=closed.reached_blocks)
         return closed
 
     def failed(self, now: float) -> None:

@@ -74,6 +74,14 @@ class ClosedEntry:
     output_tokens: tuple[int, ...]  # streamed per sequence
     reserved_blocks: int
     held_blocks: int
+    # Whether its growth was seen token by token (else `held_blocks` is its prompt only).
+    streamed: bool = True
+
+    @property
+    def reached_blocks(self) -> int:
+        """The blocks it really came to hold, as far as the ledger saw: its reservation for an
+        answer sent whole, whose growth it could not watch."""
+        return self.held_blocks if self.streamed else self.reserved_blocks
 
     @property
     def outgrew_reservation(self) -> bool:
@@ -237,6 +245,7 @@ class InMemoryLedger:
             output_tokens=tuple(entry.output_tokens),
             reserved_blocks=entry.reserved_blocks,
             held_blocks=entry.held_blocks,
+            streamed=entry.streamed,
         )
 
     def reserved_of(self, key: int) -> int | None:

@@ -24,6 +24,10 @@ from gateway.rates import BusyClock, DecayingRate, Ewma
 DRAIN_RATE_HORIZON_S = 10.0
 # Smoothing of the service-time estimates netted out of client deadlines.
 SERVICE_TIME_EWMA_ALPHA = 0.1
+# Smoothing of the blocks completed requests reserved and reached, whose ratio turns the
+# saturated drain rate into reserved blocks (see BackendPace.saturated_rate): mostly the last
+# four completions, so that it follows the output model as soon as that has learned.
+RESERVATION_EWMA_ALPHA = 0.25
 # A stream whose relay spent more than this share of its time blocked writing to its client
 # was paced by the client, not the backend (see BackendPace.observe_stream).
 CLIENT_PACED_SHARE = 0.1
@@ -51,10 +55,13 @@ class BackendPace:
         # below is known.
         self.drain = DecayingRate(drain_rate_horizon_s)
         self._busy = BusyClock(now)
-        # Blocks freed per second while requests wait in the queue (the backend saturated):
-        # the rate queue waits are predicted at.
+        # Blocks that requests completed while others waited in the queue (the backend
+        # saturated) had really reached, per second: what the engine gets through, whatever
+        # kvgate reserved for them (see saturated_rate).
         self.saturated_drain = DecayingRate(drain_rate_horizon_s)
         self._saturated = BusyClock(now)
+        self._reserved_per_completion = Ewma(RESERVATION_EWMA_ALPHA)
+        self._reached_per_completion = Ewma(RESERVATION_EWMA_ALPHA)
         self.first_token_after_admit = Ewma(SERVICE_TIME_EWMA_ALPHA)
         self.seconds_per_output_token = Ewma(SERVICE_TIME_EWMA_ALPHA)
 
@@ -65,24 +72,30 @@ class BackendPace:
         clock, so that idle time before an admission never counts as busy."""
         self.busy_time(now)
 
-    def completed(self, freed_blocks: int, now: float) -> None:
-        """The ledger has just closed a reservation of `freed_blocks`."""
+    def completed(self, freed_blocks: int, now: float, *, reached_blocks: int | None = None) -> None:
+        """The ledger has just closed a reservation of `freed_blocks`, whose request had come to
+        hold `reached_blocks` (None: as many as it reserved)."""
+        reached = freed_blocks if reached_blocks is None else reached_blocks
+        self._reserved_per_completion.add(freed_blocks)
+        self._reached_per_completion.add(reached)
         # That request was in flight since its admission, which advanced the busy clock: all
         # of the interval since the clock's last mark was busy.
         busy_s = self._busy.advance(now, True)
         saturated_s = self.saturated_time(now)
         self.drain.add(freed_blocks, busy_s)
         if self._queued():
-            self.saturated_drain.add(freed_blocks, saturated_s)
+            self.saturated_drain.add(reached, saturated_s)
 
     def completed_elsewhere(self, freed_blocks: int, now: float) -> None:
         """Other kvgate processes sharing the backend completed reservations of `freed_blocks`
-        since they last said (see gateway.shared_view): the backend drained them too."""
+        since they last said (see gateway.shared_view): the backend drained them too. What
+        those requests reached is not told: taken to be as far below their reservations as
+        this process's own are."""
         busy_s = self._busy.advance(now, True)
         saturated_s = self.saturated_time(now)
         self.drain.add(freed_blocks, busy_s)
         if self._queued():
-            self.saturated_drain.add(freed_blocks, saturated_s)
+            self.saturated_drain.add(freed_blocks / self.reservation_ratio(), saturated_s)
 
     def observe_stream(
         self,
@@ -160,8 +173,24 @@ class BackendPace:
         return None
 
     def saturated_rate(self, now: float) -> float | None:
-        """Blocks per second freed while requests waited, or None until measured."""
-        return self.saturated_drain.rate(self.saturated_time(now))
+        """Reserved blocks per second freed while requests waited, or None until measured.
+
+        A queue waits for reserved blocks, but counting the rate in them would tie it to what
+        was reserved when it was measured: a fresh gateway reserves whole `max_tokens` until its
+        output-length model has seen answers, and a rate learned on those overstated the
+        burst after them, whose reservations were smaller, and so its waits (measured in
+        docs/measurements.md). So the rate is measured in the blocks requests really reached, which the
+        engine's pace sets, and turned into reserved blocks at the ratio of recent
+        completions' reservations to what they reached."""
+        reached = self.saturated_drain.rate(self.saturated_time(now))
+        return None if reached is None else reached * self.reservation_ratio()
+
+    def reservation_ratio(self) -> float:
+        """Reserved over reached blocks of the recently completed requests (1 until known)."""
+        reserved, reached = self._reserved_per_completion.value, self._reached_per_completion.value
+        if not reserved or not reached:
+            return 1.0
+        return reserved / reached
 
     def capacity_rate(self, now: float) -> float | None:
         """Blocks per second the backend frees when saturated; the drain rate until known.
@@ -196,4 +225,10 @@ def _round(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
-__all__ = ["CLIENT_PACED_SHARE", "DRAIN_RATE_HORIZON_S", "SERVICE_TIME_EWMA_ALPHA", "BackendPace"]
+__all__ = [
+    "CLIENT_PACED_SHARE",
+    "DRAIN_RATE_HORIZON_S",
+    "RESERVATION_EWMA_ALPHA",
+    "SERVICE_TIME_EWMA_ALPHA",
+    "BackendPace",
+]

@@ -85,6 +85,20 @@ def test_close_is_idempotent_and_reports_what_was_held() -> None:
     assert ledger.totals() == LedgerTotals(0, 0, 0, 0)
 
 
+def test_a_closed_entry_reached_what_it_held_if_streamed_else_what_it_reserved() -> None:
+    ledger = InMemoryLedger()
+    ledger.open(1, demand(prompt=20, expected=60), now=0.0)
+    ledger.grow(1, 0, 10)
+    ledger.open(2, demand(prompt=20, expected=60), now=0.0, streamed=False)
+    streamed, whole = ledger.close(1), ledger.close(2)
+    assert streamed is not None
+    assert whole is not None
+    assert streamed.reached_blocks == streamed.held_blocks < streamed.reserved_blocks
+    # An answer sent whole grew unseen: the most it may have reached is what it reserved.
+    assert not whole.streamed
+    assert whole.reached_blocks == whole.reserved_blocks > whole.held_blocks
+
+
 def test_the_split_counts_what_entries_are_certain_still_to_grow_into() -> None:
     ledger = InMemoryLedger()
     # 20 prompt tokens (2 blocks), a floor of 60 output tokens: certain to reach 5 blocks.

@@ -140,6 +140,38 @@ def test_the_saturated_rate_counts_only_what_was_freed_while_requests_waited() -
     assert saturated < busy / 1.5
 
 
+def test_the_saturated_rate_follows_the_reservations_not_what_they_were_when_measured() -> None:
+    # Requests that each reach 16 blocks complete one a second while others wait. A fresh
+    # gateway reserved 24 blocks for each at first; once its output model learned, 18.
+    ledger = InMemoryLedger()
+    queue = Queue()
+    queue.waiting = True
+    pace = make_pace(ledger, queue)
+    reference = DecayingRate(HORIZON_S)
+    for second in range(1, 21):
+        pace.completed(24 if second <= 10 else 18, float(second), reached_blocks=16)
+        reference.add(16, float(second))
+    assert pace.reservation_ratio() == pytest.approx(18 / 16, rel=0.05)
+    rate = pace.saturated_rate(20.0)
+    # The engine got through 16 blocks a second throughout: at today's reservations that
+    # frees 18 reserved blocks for every 16, more than counting reserved blocks says.
+    reached = reference.rate(20.0)
+    assert reached is not None
+    assert rate == pytest.approx(reached * pace.reservation_ratio())
+    assert rate == pytest.approx(reached * 18 / 16, rel=0.03)
+    counted_in_reserved = DecayingRate(HORIZON_S)
+    for second in range(1, 21):
+        counted_in_reserved.add(24 if second <= 10 else 18, float(second))
+    old = counted_in_reserved.rate(20.0)
+    assert old is not None
+    assert old > 1.05 * rate
+    # Answers sent whole: the ledger saw only their reservations, which count as reached.
+    whole = make_pace(InMemoryLedger(), queue)
+    for second in range(1, 11):
+        whole.completed(24, float(second))
+    assert whole.reservation_ratio() == 1.0
+
+
 def test_service_times_from_streamed_and_whole_answers() -> None:
     pace = make_pace(InMemoryLedger())
     assert pace.service_estimate(100) == ServiceEstimate(0.0, 0.0)  # nothing measured yet
