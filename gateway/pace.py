@@ -177,11 +177,11 @@ class BackendPace:
 
         A queue waits for reserved blocks, but counting the rate in them would tie it to what
         was reserved when it was measured: a fresh gateway reserves whole `max_tokens` until its
-        output-length model has seen answers, and a rate learned on those overstated the
-        burst after them, whose reservations were smaller, and so its waits (measured in
-        docs/measurements.md). So the rate is measured in the blocks requests really reached, which the
-        engine's pace sets, and turned into reserved blocks at the ratio of recent
-        completions' reservations to what they reached."""
+        output-length model has seen answers, and a rate learned on those overstated the burst
+        after them, whose reservations were smaller, and so its waits (docs/measurements.md).
+        So the rate is measured in the blocks requests really reached, which the engine's pace
+        sets, and turned into reserved blocks at the ratio of recent completions' reservations
+        to what they reached."""
         reached = self.saturated_drain.rate(self.saturated_time(now))
         return None if reached is None else reached * self.reservation_ratio()
 

@@ -112,19 +112,18 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     address = host.strip("[]")
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     reuse_port = hasattr(socket, "SO_REUSEPORT")
-    sockets = [
-        socket.create_server((address, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=reuse_port)
-    ]
+
+    def bind(on_port: int) -> socket.socket:
+        return socket.create_server(
+            (address, on_port), family=family, backlog=LISTEN_BACKLOG, reuse_port=reuse_port
+        )
+
+    sockets = [bind(port)]
     if not reuse_port:
         return sockets * count
-    bound_port = sockets[0].getsockname()[1]
     try:
         for _ in range(count - 1):
-            sockets.append(
-                socket.create_server(
-                    (address, bound_port), family=family, backlog=LISTEN_BACKLOG, reuse_port=True
-                )
-            )
+            sockets.append(bind(sockets[0].getsockname()[1]))
     except OSError:
         for sock in sockets:
             sock.close()
@@ -165,7 +164,6 @@ class Supervisor:
     ) -> None:
         self._message = message
         self._sockets = tuple(sockets)
-        self._count = len(self._sockets)
         self._command = tuple(command)
         self._running: dict[int, asyncio.subprocess.Process] = {}
         self._serving: set[int] = set()
@@ -180,13 +178,13 @@ class Supervisor:
             loop.add_signal_handler(sig, self._stop, sig)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         try:
-            codes = await asyncio.gather(*(self._keep(slot) for slot in range(self._count)))
+            codes = await asyncio.gather(*(self._keep(slot) for slot in range(len(self._sockets))))
         finally:
             for sig in (*_STOP_SIGNALS, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
         if self._failed or not all(code in _CLEAN_EXITS for code in codes):
             return EXIT_FAILURE
-        log.info("all %d workers stopped", self._count)
+        log.info("all %d workers stopped", len(self._sockets))
         return 0
 
     def _stop(self, sig: int) -> None:
