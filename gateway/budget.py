@@ -175,7 +175,7 @@ class ScrapeTurns(Protocol):
 
     async def turn(self, asked_at: float) -> Turn: ...
 
-    async def publish(self, reading: BackendReading, took_s: float) -> None: ...
+    def publish(self, reading: BackendReading, took_s: float) -> None: ...
 
     def reconfigure(
         self, *, interval_s: float, timeout_s: float, stale_after_s: float | None = None
@@ -291,9 +291,10 @@ class MetricsPoller:
                     self.update_failures,
                     exc_info=exc,
                 )
-        # After the queue has seen the reading: the round trip does not delay its admissions.
+        # After the budget has taken the reading: its publication rides with the round trip
+        # that tells Redis this process's view of the same reading.
         if published is not None and self.share is not None:
-            await self.share.publish(*published)
+            self.share.publish(*published)
         return result
 
     async def _scrape(self) -> BackendReading:

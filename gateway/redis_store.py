@@ -21,9 +21,9 @@ lease that expired while its request still runs (Redis was away) is booked again
 renewal, since vLLM really holds that request's KV. Nothing ever needs a manual reset.
 
 Every call goes through one writer task: each round trip is one pipeline carrying everything
-pending (the reserves' takes first, then releases, bookings, the reserves' new sizes and
-renewals), so a burst of admissions costs one round trip, and the answers come back in the
-order the changes were made.
+pending (the readings this process took as a scrape lease's holder first, then the reserves'
+takes, releases, bookings, the reserves' new sizes and renewals), so a burst of admissions
+costs one round trip, and the answers come back in the order the changes were made.
 
 While nobody waits for a backend, an admission that fits this process's standing reserve on
 it (gateway.reserve) is answered at once, without a round trip, and told to Redis with the
@@ -146,6 +146,7 @@ class _BackendLink:
 class _Trip:
     """What one round trip carries, in the order the pipeline sends it."""
 
+    readings: list[tuple[ScrapeShare, list[str | int]]]  # scrape_publish.lua's arguments
     takes: list[tuple[_BackendLink, list[tuple[int, int]], int]]  # (link, takes, target or -1)
     changes: list[tuple[_BackendLink, list[tuple[int, int]]]]
     bookings: list[_PendingBooking]
@@ -155,7 +156,7 @@ class _Trip:
 
     def empty(self) -> bool:
         return not (
-            self.takes or self.bookings or self.sizes or self.publishing or self.renew
+            self.readings or self.takes or self.bookings or self.sizes or self.publishing or self.renew
             or any(pending for _, pending in self.changes)
         )  # fmt: skip
 
@@ -194,7 +195,9 @@ class RedisLedgerStore:
         )
         # Loaded once (SCRIPT LOAD) and called by digest: redis-py's script objects ask the
         # server whether they exist before every pipeline, a second round trip each time.
-        self._sources = {name: _script(name) for name in ("book", "release", "renew", "reserve")}
+        self._sources = {
+            name: _script(name) for name in ("book", "release", "renew", "reserve", "scrape_publish")
+        }
         self._digests = {
             name: hashlib.sha1(source.encode()).hexdigest() for name, source in self._sources.items()
         }
@@ -285,8 +288,9 @@ class RedisLedgerStore:
             self._redis,
             self.keys.scrape(backend),
             self.owner,
-            {name: _script(name) for name in ("scrape_turn", "scrape_publish")},
+            _script("scrape_turn"),
             processes=self.processes,
+            wake=self._wake.set,
             interval_s=settings.metrics_poll_interval_s,
             timeout_s=settings.metrics_timeout_s,
             stale_after_s=settings.metrics_stale_after_s,
@@ -456,10 +460,12 @@ class RedisLedgerStore:
                     self._wake.set()
                     await self._load_scripts()
                     results = await self._send(trip)
-        except BaseException:
+        except BaseException as exc:
             # Nothing of this round trip is known to have happened: the changes and takes are
             # sent again (they are idempotent), the bookings are refused (their waiters go back
-            # to the queue).
+            # to the queue), the readings are not (a newer one comes with the next scrape).
+            for share, _ in trip.readings:
+                share.published(None, exc)
             for link, changes in trip.changes:
                 link.changes[:0] = changes
             for link in self._links.values():
@@ -474,6 +480,7 @@ class RedisLedgerStore:
 
     def _next_trip(self) -> _Trip:
         """Take everything pending into one round trip."""
+        readings = [(share, args) for share in self._shares if (args := share.publication()) is not None]
         bookings, self._bookings = self._bookings, []
         renew = self._renew_due or not self.connected
         links = list(self._links.values())
@@ -500,7 +507,7 @@ class RedisLedgerStore:
         publishing = [link for link in links if link.publish or renew]
         for link in publishing:
             link.publish = False
-        return _Trip(takes, changes, bookings, sizes, publishing, renew)
+        return _Trip(readings, takes, changes, bookings, sizes, publishing, renew)
 
     def _reserve_target(self, link: _BackendLink) -> int:
         ledger = link.ledger
@@ -518,6 +525,8 @@ class RedisLedgerStore:
         ttl_ms = str(int(self.settings.redis_lease_ttl_s * 1000))
         view_ttl_ms = str(int(self.settings.metrics_stale_after_s * 1000))
         async with self._redis.pipeline(transaction=False) as pipe:
+            for share, publication in trip.readings:
+                _call(pipe, self._digests["scrape_publish"], share.keys, publication)
             for link, takes, target in trip.takes:
                 self._reserve_call(pipe, link, ttl_ms, target, takes)
             for link, pending in trip.changes:
@@ -595,8 +604,10 @@ class RedisLedgerStore:
 
     def _apply(self, results: list[Any], trip: _Trip) -> None:
         answers = iter(results)
-        # In the order the server ran them: takes, releases, bookings, sizes, then renewals
-        # (the newest totals).
+        # In the order the server ran them: readings, takes, releases, bookings, sizes, then
+        # renewals (the newest totals).
+        for share, _ in trip.readings:
+            share.published(next(answers))
         held: dict[str, int] = {}
         for link, _takes, _target in trip.takes:
             reserve_blocks, others_booked = next(answers)

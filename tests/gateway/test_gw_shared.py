@@ -22,6 +22,7 @@ from gateway.app import create_app
 from gateway.redis_store import RESERVE_LEASE, KeyNames
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.shared_scrape import ScrapeShare
 from sim.config import SimConfig
 from sim.engine import EngineConfig, StepCost
 from sim.lengths import OutputLengthModel
@@ -200,13 +201,23 @@ async def test_three_gateways_never_book_more_than_one_budget(
         assert ledger["own_reserved_blocks"] == 0
 
 
-def scrape_roles(sharing: Sharing) -> list[str]:
-    roles = []
+def scrape_shares(sharing: Sharing) -> list[ScrapeShare]:
+    shares = []
     for router in sharing.routers:
         share = router.backends[0].poller.share
         assert share is not None
-        roles.append(share.describe()["role"])
-    return roles
+        shares.append(share)
+    return shares
+
+
+def scrape_roles(sharing: Sharing) -> list[str]:
+    return [share.describe()["role"] for share in scrape_shares(sharing)]
+
+
+async def the_lease_holder(sharing: Sharing) -> int:
+    """Which gateway holds the scrape lease, once one does."""
+    await wait_until(lambda: scrape_roles(sharing).count("leads") == 1, 5.0, "a lease holder")
+    return scrape_roles(sharing).index("leads")
 
 
 @pytest.mark.parametrize("shared_scrape", [True, False])
@@ -278,10 +289,8 @@ async def test_when_the_scrape_lease_holder_stops_another_takes_it_and_no_budget
     redis_service: RedisServer, redis_prefix: str
 ) -> None:
     async with gateways_sharing(3, redis_service, redis_prefix) as sharing:
-        await wait_until(lambda: scrape_roles(sharing).count("leads") == 1, 5.0, "a lease holder")
-        leader = scrape_roles(sharing).index("leads")
-        share = sharing.routers[leader].backends[0].poller.share
-        assert share is not None
+        leader = await the_lease_holder(sharing)
+        share = scrape_shares(sharing)[leader]
         # The holder dies as a process does: nothing more reaches Redis from it (it goes on
         # reading the backend for itself), and its lease is not renewed.
         doomed = sharing.routers[leader].shared
@@ -300,6 +309,52 @@ async def test_when_the_scrape_lease_holder_stops_another_takes_it_and_no_budget
         for client in (sharing.clients[position] for position in range(3) if position != leader):
             assert (await client.post("/v1/completions", json=LONG)).status_code == 200
         assert all(router.backends[0].snapshot().known for router in others)
+
+
+async def test_the_scrape_lease_holder_renews_its_lease_by_publishing_and_asks_only_when_it_runs_short(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(2, redis_service, redis_prefix) as sharing:
+        leader = await the_lease_holder(sharing)
+        pollers = [router.backends[0].poller for router in sharing.routers]
+        shares = scrape_shares(sharing)
+        asked = [share.turns_asked for share in shares]
+        read = [dict(poller.readings) for poller in pollers]
+        await asyncio.sleep(1.0)
+        asked = [share.turns_asked - before for share, before in zip(shares, asked, strict=True)]
+        read = [
+            {source: poller.readings[source] - count for source, count in before.items()}
+            for poller, before in zip(pollers, read, strict=True)
+        ]
+        follower = 1 - leader
+        assert scrape_roles(sharing)[leader] == "leads"
+        assert read[leader]["scraped"] > 10, read
+        # Each publication renewed the lease: the holder did not ask for its turn.
+        assert asked[leader] == 0, (asked, read)
+        # The follower asks at every poll, and takes the holder's readings.
+        assert asked[follower] >= read[follower]["shared"] > 10, (asked, read)
+        lease, _ = sharing.keys.scrape("default")
+        assert await sharing.redis.pttl(lease) > 0
+
+
+async def test_a_holder_whose_scrape_lease_was_taken_publishes_nothing_more_and_asks_again(
+    redis_service: RedisServer, redis_prefix: str
+) -> None:
+    async with gateways_sharing(2, redis_service, redis_prefix) as sharing:
+        await the_lease_holder(sharing)
+        lease, reading = sharing.keys.scrape("default")
+        # Someone else holds the lease now (the holder was too slow, say) and publishes nothing.
+        await sharing.redis.set(lease, "another-process", px=60_000)
+        await wait_until(lambda: "leads" not in scrape_roles(sharing), 2.0, "the holder to stop leading")
+        stamp = await sharing.redis.hget(reading, "stamp")
+        await asyncio.sleep(0.5)
+        assert await sharing.redis.hget(reading, "stamp") == stamp
+        assert "leads" not in scrape_roles(sharing), scrape_roles(sharing)
+        # Meanwhile nobody's budget goes stale: past its age the shared reading is not taken
+        # and each reads the backend itself.
+        assert all(router.backends[0].snapshot().known for router in sharing.routers)
+        for client in sharing.clients:
+            assert (await client.post("/v1/completions", json=LONG)).status_code == 200
 
 
 def own_reserved(sharing: Sharing) -> int:

@@ -233,3 +233,22 @@ async def test_a_reserve_that_is_not_renewed_expires_like_a_lease(
     # Any call on the backend sweeps it.
     assert await scripts.book("p2", {"a": 30}, [("p2:1", [("a", 30)])]) == ["a"]
     assert (await scripts.booked("a"), await scripts.booked("a", "p1")) == (30, 0)
+
+
+async def test_a_publication_renews_the_holders_scrape_lease_and_is_placed_when_its_scrape_ended(
+    client: aioredis.Redis, redis_prefix: str
+) -> None:
+    keys = KeyNames(redis_prefix).scrape("a")
+    turn = client.register_script(_script("scrape_turn"))
+    publish = client.register_script(_script("scrape_publish"))
+    assert await turn(keys=keys, args=["p1", 1_000]) == [1]
+    # Only the lease's holder publishes.
+    assert await publish(keys=keys, args=["p2", 5, "from p2", TTL_MS, TTL_MS, 0]) == 0
+    assert await client.exists(keys[1]) == 0
+    assert await publish(keys=keys, args=["p1", 5, "from p1", TTL_MS, 30_000, 400]) == 1
+    # Renewed for the ttl sent, far past the turn's second.
+    assert 29_000 < await client.pttl(keys[0]) <= 30_000
+    kind, _stamp, age_ms, took_ms, text = await turn(keys=keys, args=["p2", 1_000])
+    assert (int(kind), took_ms, text) == (2, b"5", b"from p1")
+    # The scrape ended 0.4 s before the publication reached the server: that is its age.
+    assert 400 <= int(age_ms) < 1_400
