@@ -8,7 +8,9 @@ The engine is the CPU testbed at --engine (default http://127.0.0.1:8041, starte
 core; `--start-engine` starts it here when nothing answers). Everything else (the kvgate
 processes, redis-server, this client) is pinned to --client-core (default 0).
 
-Cases, each on the same arrivals (a trace preset of tests/benchmarks/fleet.py, or a trace
+Before the first case the plan is replayed once straight to the engine, unmeasured
+(`--warm-up N`: its first N requests; 0: none), so that the first case does not meet a cold
+engine. Cases, each on the same arrivals (a trace preset of tests/benchmarks/fleet.py, or a trace
 path with --ctx-scale / --gen-scale), each with fresh processes, a fresh redis-server
 (`redis-server --port P --save '' --appendonly no`) and the engine's prefix cache emptied
 (when it has vLLM's dev route):
@@ -318,6 +320,20 @@ def parse_case(name: str) -> tuple[int, bool]:
     return processes, True
 
 
+def warm_engine(engine: str, plan: Plan, args: argparse.Namespace) -> None:
+    """Replay the plan (or its first `--warm-up` requests) at the engine itself, unmeasured.
+
+    A freshly started engine served the first case of a run cold (at 30 requests/s it refused
+    50 arrivals through one kvgate where the same case later refused 1), and every case is
+    compared with the first."""
+    head = plan.requests if args.warm_up is None else plan.requests[: args.warm_up]
+    ran = run_on_fast_loop(spread.run_spread([engine], head, deadline_s=args.deadline, label="warm-up"))
+    summary = report.summarize(
+        ran.result, offered_s=head[-1].spec.arrival_s if head else 0.0, deadline_s=args.deadline
+    )
+    print(f"warm-up: {len(head)} requests straight to the engine, {summary.ok} answered", flush=True)
+
+
 def run_case(name: str, engine: str, plan: Plan, args: argparse.Namespace) -> shared_budget.CaseFigures:
     processes, with_redis = parse_case(name)
     out: Path = args.out
@@ -540,6 +556,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-core", type=int, default=0, help="core of kvgate, Redis and this client")
     parser.add_argument("--kvgate-args", default="", help="more `kvgate serve` arguments, one string")
     parser.add_argument("--no-reset-cache", dest="reset_cache", action="store_false")
+    parser.add_argument(
+        "--warm-up",
+        type=int,
+        default=None,
+        help="replay the plan's first N requests (default: all) straight to the engine before the first case",
+    )
     parser.add_argument("--overhead", action="store_true", help="also measure the admission overhead")
     parser.add_argument("--overhead-rounds", type=int, default=300)
     parser.add_argument("--overhead-warmup", type=int, default=20)
@@ -594,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"plan: {len(plan.requests)} requests, offered {plan.offered_s:.1f} s, {plan.facts}", flush=True
         )
+        if args.warm_up != 0:
+            warm_engine(engine, plan, args)
         cases = [run_case(name, engine, plan, args) for name in args.case_list]
         text = shared_budget.render_cases(cases)
         (args.out / "cases.md").write_text(text)
