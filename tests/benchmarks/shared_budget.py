@@ -323,9 +323,8 @@ def parse_case(name: str) -> tuple[int, bool]:
 def warm_engine(engine: str, plan: Plan, args: argparse.Namespace) -> None:
     """Replay the plan (or its first `--warm-up` requests) at the engine itself, unmeasured.
 
-    A freshly started engine served the first case of a run cold (at 30 requests/s it refused
-    50 arrivals through one kvgate where the same case later refused 1), and every case is
-    compared with the first."""
+    Every case is compared with the first, and a freshly started engine served the first case
+    cold (docs/measurements.md, "The shared-budget harness warms the engine first")."""
     head = plan.requests if args.warm_up is None else plan.requests[: args.warm_up]
     ran = run_on_fast_loop(spread.run_spread([engine], head, deadline_s=args.deadline, label="warm-up"))
     summary = report.summarize(
