@@ -29,6 +29,13 @@ than it is at the offered rate.
 emulator's CPU per token without kvgate); `--kvgate-repo` names checkouts whose `gateway`
 package is run (default this one), several of them alternating run after run, for a
 before/after comparison on one machine state.
+
+`--reference pipe` and `--reference nginx` run, in every round beside kvgate and pinned to the
+same core, a relay that does less than kvgate, so that kvgate's figure has a scale on the same
+machine state: `pipe` is tests/benchmarks/byte_pipe.py (bytes piped between two sockets on
+uvloop, the floor of a Python relay on kvgate's event loop), `nginx` one nginx process
+(`master_process off`, `proxy_buffering off`, keep-alive to the emulator; it needs the nginx
+binary: `apt-get install nginx-light`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -84,6 +92,34 @@ KVGATE_DEFAULT_MAX_CONNECTIONS = 1024
 # relay: kvgate waits longer for a scrape here.
 KVGATE_BUDGET_SETTINGS = ("metrics_timeout_s=5", "metrics_stale_after_s=10")
 MODEL = "tiny-llama"
+REFERENCES = ("pipe", "nginx")
+NGINX_CONFIG = """daemon off;
+master_process off;
+worker_processes 1;
+worker_rlimit_nofile 16384;
+error_log {workdir}/nginx-error.log warn;
+pid {workdir}/nginx.pid;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {workdir}/nginx-body;
+    proxy_temp_path {workdir}/nginx-proxy;
+    fastcgi_temp_path {workdir}/nginx-fastcgi;
+    uwsgi_temp_path {workdir}/nginx-uwsgi;
+    scgi_temp_path {workdir}/nginx-scgi;
+    upstream emulator {{ server {backend}; keepalive 2048; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://emulator;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 60s;
+        }}
+    }}
+}}
+"""
 
 
 # -- CPU counters -------------------------------------------------------------------------------
@@ -290,8 +326,8 @@ def window(start: Sample, end: Sample) -> Window:
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    target: str  # "kvgate" or "emulator"
-    label: str  # which kvgate checkout, or "direct"
+    target: str  # "kvgate", "emulator" or a reference relay (REFERENCES)
+    label: str  # which kvgate checkout, "direct", or the reference's name
     streams: int
     tokens_per_stream: int
     tokens_counted: int
@@ -484,13 +520,59 @@ def kvgate_process(
             time.sleep(0.1)
         yield url, process.pid
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _accepting(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextlib.contextmanager
+def reference_process(
+    name: str, backend_url: str, cpu: int | None, workdir: Path, log: Path
+) -> Iterator[tuple[str, int]]:
+    """One reference relay (see REFERENCES) in front of `backend_url`; yields (url, pid)."""
+    port = free_port()
+    backend = backend_url.removeprefix("http://")
+    if name == "pipe":
+        command = [sys.executable, str(HERE / "byte_pipe.py"), "--port", str(port), "--upstream", backend]
+    else:
+        nginx = shutil.which("nginx") or next(
+            (path for path in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.path.exists(path)), None
+        )
+        if nginx is None:
+            raise SystemExit("--reference nginx needs the nginx binary: apt-get install nginx-light")
+        config = workdir / f"nginx-{port}.conf"
+        config.write_text(NGINX_CONFIG.format(workdir=workdir, backend=backend, port=port))
+        command = [nginx, "-c", str(config), "-p", str(workdir)]
+    if cpu is not None:
+        command = ["taskset", "-c", str(cpu), *command]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + KVGATE_READY_TIMEOUT_S
+        while not _accepting(port):
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited with {process.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{name} did not listen; see {log}")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", process.pid
+    finally:
+        _stop(process)
 
 
 def idle_share(pids: dict[str, int], seconds: float) -> dict[str, float]:
@@ -517,6 +599,7 @@ class Options:
     sim_cpu: int | None = 1
     client_cpu: int | None = 1
     kvgate_args: list[str] = field(default_factory=list)
+    references: list[str] = field(default_factory=list)
     idle_s: float = 1.0
     workdir: Path | None = None
 
@@ -552,6 +635,15 @@ def run_benchmark(
                              prompt_tokens=options.prompt_tokens)  # fmt: skip
                     idle = idle_share(pids, options.idle_s) if options.idle_s > 0 else {}
                     measure(url, "kvgate", label, pids, idle)
+            for name in options.references:
+                log = workdir / f"{name}-{round_no}.log"
+                with reference_process(name, sim.url, options.kvgate_cpu, workdir, log) as (url, pid):
+                    pids = {"relay": pid, "emulator": sim.pid}
+                    run_load(url, sim.url, target=name, label=name, pids=pids,
+                             streams=WARMUP_STREAMS, tokens=WARMUP_TOKENS,
+                             prompt_tokens=options.prompt_tokens)  # fmt: skip
+                    idle = idle_share(pids, options.idle_s) if options.idle_s > 0 else {}
+                    measure(url, name, name, pids, idle)
             if options.direct:
                 pids = {"emulator": sim.pid}
                 idle = idle_share(pids, options.idle_s) if options.idle_s > 0 else {}
@@ -564,7 +656,7 @@ def describe(result: LoadResult) -> str:
         if span is None:
             return f"{what}: none"
         parts = [f"{what} {span.tokens} tokens in {span.seconds:.2f} s:"]
-        for name in ("kvgate", "emulator", "client"):
+        for name in ("kvgate", "relay", "emulator", "client"):
             if name in span.cpu_s:
                 system = span.system_s[name] / span.cpu_s[name] if span.cpu_s[name] > 0 else 0.0
                 parts.append(
@@ -592,12 +684,19 @@ def describe(result: LoadResult) -> str:
     return "\n".join(lines)
 
 
+def _relay_name(target: str) -> str:
+    """The process a run's figures are about, by its name in the run's counters."""
+    if target == "kvgate":
+        return "kvgate"
+    return "relay" if target in REFERENCES else "emulator"
+
+
 def summary(results: list[LoadResult]) -> dict[str, dict[str, float]]:
     """Per label: the median over its runs of kvgate's (or the emulator's) us per token."""
     figures: dict[str, dict[str, float]] = {}
     for label in dict.fromkeys(result.label for result in results):
         runs = [result for result in results if result.label == label]
-        name = "kvgate" if runs[0].target == "kvgate" else "emulator"
+        name = _relay_name(runs[0].target)
         steady = [r.steady.us_per_token(name) for r in runs if r.steady is not None]
         net = [
             r.steady.us_per_token_net(name, r.idle_cpu_share[name])
@@ -638,6 +737,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--client-cpu", type=int, default=1)
     parser.add_argument("--no-pin", action="store_true", help="pin no process to a core")
     parser.add_argument("--kvgate-args", default="", help="more `kvgate serve` arguments")
+    parser.add_argument(
+        "--reference",
+        choices=REFERENCES,
+        action="append",
+        default=[],
+        help="also run this relay in every round, on kvgate's core (repeatable; see above)",
+    )
     parser.add_argument("--idle-s", type=float, default=1.0, help="idle CPU measured this long before a run")
     parser.add_argument("--json", action="store_true", help="print every run and the summary as JSON")
     args = parser.parse_args(argv)
@@ -656,6 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sim_cpu=pins[1],
         client_cpu=pins[2],
         kvgate_args=args.kvgate_args.split(),
+        references=list(dict.fromkeys(args.reference)),
         idle_s=args.idle_s,
     )
 
