@@ -504,34 +504,47 @@ def kvgate_process(
         command = ["taskset", "-c", str(cpu), *command]  # taskset execs: the pid is kvgate's
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env["PYTHONPATH"] = str(repo)
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/readyz", timeout=2) as answer:
+            return bool(answer.status == 200)
+        return False
+
+    with _ready_child("kvgate", command, log, ready, cwd=repo, env=env) as pid:
+        yield url, pid
+
+
+@contextlib.contextmanager
+def _ready_child(
+    name: str,
+    command: list[str],
+    log: Path,
+    ready: Callable[[], bool],
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[int]:
+    """Start `command` (output to `log`), wait until `ready()`, yield its pid; stop it after
+    (SIGTERM, then SIGKILL after 20 s)."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + KVGATE_READY_TIMEOUT_S
-        while True:
+        while not ready():
             if process.poll() is not None:
-                raise SystemExit(f"kvgate exited with {process.returncode}; see {log}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/readyz", timeout=2) as ready:
-                if ready.status == 200:
-                    break
+                raise SystemExit(f"{name} exited with {process.returncode}; see {log}")
             if time.monotonic() > deadline:
-                raise SystemExit(f"kvgate did not become ready; see {log}")
+                raise SystemExit(f"{name} did not become ready; see {log}")
             time.sleep(0.1)
-        yield url, process.pid
+        yield process.pid
     finally:
-        _stop(process)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL after 20 s."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def _accepting(port: int) -> bool:
@@ -560,19 +573,8 @@ def reference_process(
         command = [nginx, "-c", str(config), "-p", str(workdir)]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + KVGATE_READY_TIMEOUT_S
-        while not _accepting(port):
-            if process.poll() is not None:
-                raise SystemExit(f"{name} exited with {process.returncode}; see {log}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{name} did not listen; see {log}")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}", process.pid
-    finally:
-        _stop(process)
+    with _ready_child(name, command, log, lambda: _accepting(port)) as pid:
+        yield f"http://127.0.0.1:{port}", pid
 
 
 def idle_share(pids: dict[str, int], seconds: float) -> dict[str, float]:
