@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make demo`: the real vLLM CPU testbed, kvgate in front of it, and one burst through both.
+# `make demo`: the real vLLM CPU testbed, kvgate in front of it, and two bursts through both, one
+# at what this machine's vLLM sustains (1x, measured first) and one at three times that.
 # Prints what the gateway changed and leaves both running (stop them with `make demo-stop`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ if [[ $(nproc) -gt 1 ]] && command -v taskset >/dev/null; then
     PIN_GATEWAY=(taskset -c 0)   # the engine has the last core; gateway and load share core 0
 fi
 mkdir -p build
+# The demo's requests: 150-300 prompt tokens, 150-350 output tokens (max_tokens 512).
+REQUESTS="prompt=uniform:150:300,output=uniform:150:350"
 
 if ! curl -sf "$VLLM/health" >/dev/null; then
     echo "== starting the vLLM testbed on $VLLM (about 100 s; log in build/demo-vllm.log)"
@@ -45,8 +48,19 @@ echo
 echo "== warming up kvgate's output-length model: 30 requests at 3 per second through kvgate"
 echo "   (a fresh gateway reserves each request's whole max_tokens until it has seen answers)"
 "${PIN_GATEWAY[@]}" $BIN/kvgate bench --target "$KVGATE" \
-    --synthetic "n=30,rate=3,prompt=uniform:150:300,output=uniform:150:350" \
+    --synthetic "n=30,rate=3,$REQUESTS" \
     --max-tokens 512 --seed 3 --out build/demo-warmup >/dev/null 2>&1
+
+# The bursts are sized by measurement: the testbed's speed differs by 2x between machines, so a
+# rate fixed here would be within capacity on one and far beyond it on another.
+echo
+echo "== measuring what this machine's vLLM sustains: bursts of 40 of the demo's requests straight to it,"
+echo "   rate doubled then bisected until it finishes 98% within 10 s; 1x is 0.8 of that rate"
+ONE_X=$("${PIN_GATEWAY[@]}" $BIN/python deploy/demo_rate.py --vllm "$VLLM" --requests "$REQUESTS" \
+    --out build/demo-rate | sed -n 's/^1x=//p')
+[[ -n "$ONE_X" ]] || { echo "could not measure a rate this vLLM sustains (build/demo-rate)"; exit 1; }
+THREE_X=$($BIN/python -c "print(f'{3 * $ONE_X:.4g}')")
+echo "   1x = $ONE_X requests/s"
 
 # Each burst goes first straight to vLLM, then through kvgate, on the same arrivals. Clients
 # send X-Kvgate-Deadline-Ms: they want their whole answer within 10 s, and give up then.
@@ -55,14 +69,14 @@ burst() {  # name, synthetic spec, what it is
     echo "== $3"
     "${PIN_GATEWAY[@]}" $BIN/kvgate bench --target "$VLLM" --target "$KVGATE" --synthetic "$2" \
         --max-tokens 512 --clients deadline --deadline 10 --backend-metrics "$VLLM/metrics" \
-        --seed 7 --out "build/demo-$1" >"build/demo-$1.log" 2>&1 || { tail -5 "build/demo-$1.log"; exit 1; }
+        --seed 7 --out "build/demo-$1" >"build/demo-$1.log" 2>&1 || { tail -n 5 "build/demo-$1.log"; exit 1; }
     $BIN/python deploy/demo_summary.py "build/demo-$1/summary.json"
     echo "   full report: build/demo-$1/report.md (plots beside it)"
 }
-burst within "n=40,rate=8,prompt=uniform:150:300,output=uniform:150:350" \
-    "a burst vLLM can absorb: 40 requests (150-300 prompt + 150-350 output tokens) at 8 per second"
-burst beyond "n=120,rate=24,prompt=uniform:150:300,output=uniform:150:350" \
-    "a burst beyond what vLLM can finish in time: 120 of the same requests at 24 per second"
+burst within "n=40,rate=$ONE_X,$REQUESTS" \
+    "at capacity (1x): 40 requests (150-300 prompt + 150-350 output tokens) at $ONE_X per second"
+burst beyond "n=120,rate=$THREE_X,$REQUESTS" \
+    "beyond capacity (3x): 120 of the same requests at $THREE_X per second"
 
 echo
 echo "vLLM:   $VLLM/v1  (metrics $VLLM/metrics)"

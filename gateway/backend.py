@@ -53,10 +53,8 @@ def capacity_config(settings: Settings) -> CapacityConfig:
         settle_s=settings.settle_s,
         unknown_is_saturated=settings.unknown_budget == "saturated",
         down_after_failures=settings.backend_down_after_failures,
-        min_fraction=settings.budget_min_fraction,
         max_fraction=settings.budget_max_fraction,
         decrease_factor=settings.aimd_decrease_factor,
-        increase_per_s=settings.aimd_increase_per_s,
         overcommit=settings.budget_overcommit,
     )
 

@@ -27,23 +27,24 @@ token before the gateway sees the token. So are the blocks of requests completed
 vLLM's gauges trail its engine by a step, so a request that ended just before or during the
 scrape may still be counted there while the ledger has already let it go.
 
-On top sits an AIMD limit on the admissible share of the pool: a rising
-`vllm:num_preemptions_total` multiplies it down (once per cooldown, preemptions come in
-bursts), quiet periods add back a fixed share per second, always within [min, max].
-
-Reservations are peaks (prompt plus a high quantile of the answer), held from admission on,
-while the KV a request really holds grows from its prompt to where its answer really stops.
-Where answers are long, the pool can sit half empty by vLLM's count while requests wait in the
-gateway for blocks that are only promised. With `overcommit` above zero, quiet periods may
-grow the share past `max`, by at most `overcommit`, but only while requests wait and vLLM's
-usage at the scrape (plus what was sent since it settled, and what the requests in flight
-are certain to grow into: their `min_tokens`, or their cap with `ignore_eos`) leaves
-`overcommit_room` of the pool unused: that room is the evidence that the promises overstate
-what is held. Past `max` the
-share grows at OVERCOMMIT_GROWTH_PER_S, fast enough to follow a burst of a few seconds,
-because the room is measured again at every scrape; it stops growing when the room goes, and
-only preemptions take it back. How far the reservations of completed requests exceeded the
-peaks they reached (`overstatement`) is reported beside it.
+On top sits the admissible share of the pool. It starts at `max_fraction` and never goes
+below it: reservations are peaks (prompt plus a high quantile of the answer), held from
+admission on, so requests admitted within the pool cannot run one another out of blocks. Where
+vLLM holds more than they explain, that is external usage (above), and an answer that outgrows
+its reservation grows it; neither is the share's to answer. But the KV a request really holds
+grows from its prompt to where its answer really stops, so where answers are long the pool can
+sit half empty by vLLM's count while requests wait in the gateway for blocks that are only
+promised. With `overcommit` above zero the share may then grow past `max_fraction`, by at most
+`overcommit`, but only while requests wait and vLLM's usage at the scrape (plus what was sent
+since it settled, and what the requests in flight are certain to grow into: their
+`min_tokens`, or their cap with `ignore_eos`) leaves `overcommit_room` of the pool unused: that
+room is the evidence that the promises overstate what is held. It grows at
+OVERCOMMIT_GROWTH_PER_S, fast enough to follow a burst of a few seconds, because the room is
+measured again at every scrape, and stops growing when the room goes. What takes it back is
+vLLM's preemption counter: a rise multiplies the share by `decrease_factor` (once per cooldown,
+preemptions come in bursts), down to `max_fraction` at the lowest, and growth resumes after a
+quiet time. How far the reservations of completed requests exceeded the peaks they reached
+(`overstatement`) is reported beside it.
 
 Unknown means saturated: without a fresh reading the budget is not `known`, and the policy
 admits nothing new, unless configured to fall back on the ledger alone. A request whose
@@ -95,7 +96,7 @@ def _moved_since(
     return None if before is None else value != before
 
 
-# The AIMD's clock: growth resumes this long after the last preemption, and preemptions, which
+# The share's clock: growth resumes this long after the last preemption, and preemptions, which
 # come in bursts, cut the share at most once per cooldown.
 AIMD_QUIET_S = 5.0
 AIMD_DECREASE_COOLDOWN_S = 2.0
@@ -125,10 +126,8 @@ class CapacityConfig:
     settle_s: float
     unknown_is_saturated: bool
     down_after_failures: int
-    min_fraction: float
     max_fraction: float
     decrease_factor: float
-    increase_per_s: float
     # How far past max_fraction the share may grow while requests wait and vLLM's usage leaves
     # `overcommit_room` of the pool unused (see the module docstring); 0: never.
     overcommit: float = 0.0
@@ -137,8 +136,8 @@ class CapacityConfig:
     overcommit_room: float = OVERCOMMIT_ROOM
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.min_fraction <= self.max_fraction <= 1.0:
-            raise ValueError("need 0 < min_fraction <= max_fraction <= 1")
+        if not 0.0 < self.max_fraction <= 1.0:
+            raise ValueError("need 0 < max_fraction <= 1")
         if not 0.0 < self.decrease_factor < 1.0:
             raise ValueError("decrease_factor must lie in (0, 1)")
         if self.overcommit < 0.0:
@@ -148,7 +147,8 @@ class CapacityConfig:
 
 
 class AimdLimit:
-    """The admissible fraction of the pool, steered by vLLM's preemption counter."""
+    """The admissible fraction of the pool: `max_fraction`, and past it as far as vLLM's unused
+    room leads and its preemption counter allows (see the module docstring)."""
 
     def __init__(self, config: CapacityConfig) -> None:
         self._config = config
@@ -162,7 +162,7 @@ class AimdLimit:
     def reconfigure(self, config: CapacityConfig) -> None:
         self._config = config
         ceiling = config.max_fraction + config.overcommit
-        self.fraction = min(ceiling, max(config.min_fraction, self.fraction))
+        self.fraction = min(ceiling, max(config.max_fraction, self.fraction))
 
     def observe(
         self,
@@ -184,16 +184,10 @@ class AimdLimit:
         """
         config = self._config
         if self._updated_at is not None:
-            # Additive increase for the quiet time since the last update.
             quiet_from = max(self._updated_at, self._pressure_at + config.quiet_s)
             ceiling = config.max_fraction + min(config.overcommit, max(0.0, headroom))
             if now > quiet_from and self.fraction < ceiling:
-                # Below the pool the share recovers at the AIMD's pace; past it, while vLLM shows
-                # room, at OVERCOMMIT_GROWTH_PER_S: the room is measured at every scrape.
-                rate = (
-                    config.increase_per_s if self.fraction < config.max_fraction else OVERCOMMIT_GROWTH_PER_S
-                )
-                self.fraction = min(ceiling, self.fraction + rate * (now - quiet_from))
+                self.fraction = min(ceiling, self.fraction + OVERCOMMIT_GROWTH_PER_S * (now - quiet_from))
         self._updated_at = now if self._updated_at is None else max(self._updated_at, now)
 
         seen = 0.0
@@ -207,7 +201,7 @@ class AimdLimit:
         if seen > 0 and attributable:
             self._pressure_at = now
             if now - self._decreased_at >= config.decrease_cooldown_s:
-                self.fraction = max(config.min_fraction, self.fraction * config.decrease_factor)
+                self.fraction = max(config.max_fraction, self.fraction * config.decrease_factor)
                 self._decreased_at = now
         return seen
 

@@ -41,10 +41,8 @@ DEFAULT_BACKEND_DOWN_AFTER_FAILURES = 2
 DEFAULT_SETTLE_S = 0.5
 
 # The admissible share of the KV pool (docs/admission.md, "The admissible budget").
-DEFAULT_BUDGET_MIN_FRACTION = 0.5
 DEFAULT_BUDGET_MAX_FRACTION = 1.0
-DEFAULT_AIMD_DECREASE_FACTOR = 0.8
-DEFAULT_AIMD_INCREASE_PER_S = 0.02
+DEFAULT_AIMD_DECREASE_FACTOR = 0.9
 # How far past budget_max_fraction the share may grow while requests wait and vLLM leaves part
 # of the pool unused (see gateway.capacity); 0: never.
 DEFAULT_BUDGET_OVERCOMMIT = 1.0
@@ -278,20 +276,17 @@ class Settings(BaseSettings):
         ge=0,
         description="requests younger than this at a scrape earn no credit from vLLM's lower usage",
     )
-    budget_min_fraction: float = Field(
-        DEFAULT_BUDGET_MIN_FRACTION, gt=0, le=1, description="lowest admissible share of the KV pool"
-    )
     budget_max_fraction: float = Field(
         DEFAULT_BUDGET_MAX_FRACTION,
         gt=0,
         le=1,
-        description="highest admissible share of the pool before overcommit; the share starts here",
+        description="the admissible share of the pool without overcommit; preemptions never cut below it",
     )
     aimd_decrease_factor: float = Field(
-        DEFAULT_AIMD_DECREASE_FACTOR, gt=0, lt=1, description="the share is multiplied by this on preemptions"
-    )
-    aimd_increase_per_s: float = Field(
-        DEFAULT_AIMD_INCREASE_PER_S, ge=0, description="share of the pool added back per quiet second"
+        DEFAULT_AIMD_DECREASE_FACTOR,
+        gt=0,
+        lt=1,
+        description="preemptions multiply an overcommitted share by this, down to budget_max_fraction",
     )
     budget_overcommit: float = Field(
         DEFAULT_BUDGET_OVERCOMMIT,
@@ -522,11 +517,6 @@ class Settings(BaseSettings):
             problems.append(
                 "give either backend_url (one backend) or backends (several), not both nor neither"
             )
-        if not self.budget_min_fraction <= self.budget_max_fraction:
-            problems.append(
-                "need budget_min_fraction <= budget_max_fraction, got "
-                f"{self.budget_min_fraction} / {self.budget_max_fraction}"
-            )
         if self.metrics_stale_after_s < self.metrics_poll_interval_s:
             problems.append("metrics_stale_after_s must be at least metrics_poll_interval_s")
         if self.workers > 1 and self.redis_url is None:
@@ -578,10 +568,8 @@ RELOADABLE_SETTINGS = frozenset(
         "unknown_budget",
         "backend_down_after_failures",
         "settle_s",
-        "budget_min_fraction",
         "budget_max_fraction",
         "aimd_decrease_factor",
-        "aimd_increase_per_s",
         "budget_overcommit",
         "output_quantile",
         "output_backend_prior",

@@ -77,8 +77,7 @@ DEFAULT_TOKENS_PER_STREAM = 100
 # token, so that kvgate keeps up (a relay that falls behind reads several events per chunk).
 DEFAULT_STEP_MS = 100.0
 DEFAULT_PROMPT_TOKENS = 16
-# The pool is this many times what the streams need: kvgate's budget starts at a fraction of
-# it (budget_min_fraction) and must admit every stream at once.
+# The pool is this many times what the streams need: kvgate must admit every stream at once.
 POOL_HEADROOM = 4
 KVGATE_READY_TIMEOUT_S = 60.0
 # Streams of the warm-up load, each of a few tokens: the first requests' lazy paths

@@ -18,10 +18,8 @@ CONFIG = CapacityConfig(
     settle_s=0.5,
     unknown_is_saturated=True,
     down_after_failures=2,
-    min_fraction=0.5,
     max_fraction=1.0,
     decrease_factor=0.8,
-    increase_per_s=0.02,
     quiet_s=5.0,
     decrease_cooldown_s=2.0,
 )
@@ -253,46 +251,57 @@ def test_a_resized_pool_resets_the_counter_baseline() -> None:
     assert budget.snapshot(1.0).total_blocks == 80
 
 
-# AIMD: (time, preemptions_total) observations -> fraction after each.
+# The share past the pool: (time, preemptions_total, headroom) observations -> fraction after
+# each, with room for 0.6 past the pool at most and growth resuming 5 s after a preemption.
+GROWING = replace(CONFIG, overcommit=0.6)
+
+
 @pytest.mark.parametrize(
     ("observations", "fractions"),
     [
-        pytest.param([(0, 0), (1, 0), (2, 0)], [1.0, 1.0, 1.0], id="quiet-at-max"),
-        pytest.param([(0, 0), (1, 3)], [1.0, 0.8], id="preemption-decreases"),
+        pytest.param([(0, 0, 0.0), (1, 0, 0.0), (2, 0, 0.0)], [1.0, 1.0, 1.0], id="quiet-at-the-pool"),
+        pytest.param([(0, 0, 0.6), (1, 0, 0.6), (2, 0, 0.6)], [1.0, 1.25, 1.5], id="room-grows-it"),
+        # The second before the preemption grew it to the ceiling (1.6) first.
+        pytest.param([(0, 0, 0.6), (2, 0, 0.6), (3, 3, 0.6)], [1.0, 1.5, 1.28], id="preemption-cuts-it"),
         pytest.param(
-            [(0, 0), (1, 3), (2, 5), (3.5, 6)], [1.0, 0.8, 0.8, 0.64], id="cooldown-bounds-decreases"
+            [(0, 0, 0.6), (2, 0, 0.6), (3, 3, 0.0), (4, 5, 0.0), (5.5, 6, 0.0)],
+            [1.0, 1.5, 1.2, 1.2, 1.0],
+            id="cooldown-bounds-cuts",
         ),
         pytest.param(
-            [(0, 0), (1, 1), (3.1, 2), (5.2, 3), (7.3, 4), (9.4, 5)],
-            [1.0, 0.8, 0.64, 0.512, 0.5, 0.5],
-            id="floor",
+            [(0, 0, 0.0), (1, 1, 0.0), (3.1, 2, 0.0), (5.2, 3, 0.0)],
+            [1.0, 1.0, 1.0, 1.0],
+            id="never-below-the-pool",
         ),
         pytest.param(
-            [(0, 0), (1, 1), (6, 1), (11, 1)], [1.0, 0.8, 0.8, 0.9], id="additive-increase-after-quiet"
+            [(0, 0, 0.6), (2, 0, 0.6), (3, 1, 0.6), (7, 1, 0.6), (9, 1, 0.6)],
+            [1.0, 1.5, 1.28, 1.28, 1.53],
+            id="growth-resumes-after-quiet",
         ),
-        pytest.param([(0, 10), (1, 2)], [1.0, 1.0], id="counter-reset-is-not-pressure"),
-        pytest.param([(0, None), (1, None)], [1.0, 1.0], id="no-counter"),
+        pytest.param([(0, 10, 0.0), (1, 2, 0.0)], [1.0, 1.0], id="counter-reset-is-not-pressure"),
+        pytest.param([(0, None, 0.6), (1, None, 0.6)], [1.0, 1.25], id="no-counter"),
     ],
 )
-def test_aimd(observations: list[tuple[float, float | None]], fractions: list[float]) -> None:
-    limit = AimdLimit(CONFIG)
+def test_aimd(observations: list[tuple[float, float | None, float]], fractions: list[float]) -> None:
+    limit = AimdLimit(GROWING)
     seen = []
-    for (now, total), expected in zip(observations, fractions, strict=True):
-        limit.observe(total, now)
+    for now, total, headroom in observations:
+        limit.observe(total, now, headroom=headroom)
         seen.append(round(limit.fraction, 6))
-        assert limit.fraction == pytest.approx(expected)
     assert seen == pytest.approx(fractions)
 
 
-def test_aimd_shrinks_the_admissible_blocks() -> None:
+def test_preemptions_take_back_the_overcommit_only() -> None:
+    # Reservations are peaks: those admitted within the pool cannot run one another out of
+    # blocks, so preemptions there are no reason to promise less than the pool.
     ledger = InMemoryLedger()
     ledger.open(1, booking(10), now=0.0)  # the gateway has a request in flight
     budget = KvBudget(CONFIG, ledger)
     budget.observe(reading(10.0, preemptions=0.0), started_at=0.0, now=0.0)
     budget.observe(reading(10.0, preemptions=2.0), started_at=0.2, now=0.2)
     snapshot = budget.snapshot(0.3)
-    assert snapshot.admissible_blocks == 80
-    assert snapshot.pool_limit_blocks == 100  # a single request may still use the whole pool
+    assert snapshot.admissible_blocks == 100
+    assert snapshot.pool_limit_blocks == 100
     assert budget.limit.preemptions_seen == 2.0
 
 
@@ -305,9 +314,9 @@ def test_preemptions_with_nothing_of_ours_in_flight_do_not_shrink_the_budget() -
     assert budget.limit.preemptions_seen == 5.0
 
 
-def test_config_refuses_inverted_bounds() -> None:
-    with pytest.raises(ValueError, match="min_fraction"):
-        replace(CONFIG, min_fraction=0.9, max_fraction=0.8)
+def test_config_refuses_a_share_outside_the_pool() -> None:
+    with pytest.raises(ValueError, match="max_fraction"):
+        replace(CONFIG, max_fraction=1.2)
 
 
 OVERCOMMIT = replace(CONFIG, overcommit=0.3, overcommit_room=0.25)
@@ -325,7 +334,9 @@ def test_aimd_grows_past_the_pool_only_by_the_headroom_it_is_given() -> None:
     limit.observe(0.0, 60.0, headroom=0.9)
     assert limit.fraction == pytest.approx(1.3)  # never past max_fraction + overcommit
     limit.observe(3.0, 61.0, headroom=0.9)
-    assert limit.fraction == pytest.approx(1.04)  # a preemption cuts it like any share
+    assert limit.fraction == pytest.approx(1.04)  # a preemption cuts it
+    limit.observe(6.0, 64.0, headroom=0.9)
+    assert limit.fraction == pytest.approx(1.0)  # down to the pool, never below
 
 
 def test_without_overcommit_the_share_stays_within_its_bounds() -> None:

@@ -281,7 +281,6 @@ async def test_an_underused_pool_lets_more_in_than_the_reservations_say(overcomm
     async with gateway_over_sim(
         sim,
         budget_overcommit=overcommit,
-        aimd_increase_per_s=10.0,
         output_min_samples=1000,
         output_backend_prior=False,
     ) as harness:

@@ -200,7 +200,8 @@ def test_an_overcommitted_share_is_no_more_headroom_than_the_pool() -> None:
 
 
 def test_a_share_below_the_pool_is_the_room() -> None:
-    # After preemptions a's share is 60 of its 100 blocks: its room is 60 - 20 = 40, b's 50.
+    # a promises 60 of its 100 blocks (budget_max_fraction 0.6, or the share of a shared ledger
+    # it cannot reach): its room is 60 - 20 = 40, b's 50.
     fleet = [_candidate("a", 60, 20, pool=100), _candidate("b", 64, 14)]
     assert choose(fleet, {"a": 4, "b": 4}) == "b"
 
