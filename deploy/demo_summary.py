@@ -37,12 +37,16 @@ def table(direct: dict[str, Any], gated: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _count(number: float, noun: str) -> str:
+    return f"{number:.0f} {noun}" + ("" if round(number) == 1 else "s")
+
+
 def in_words(direct: dict[str, Any], gated: dict[str, Any]) -> str:
     useful = (direct.get("useful_tokens_per_s") or 0.0, gated.get("useful_tokens_per_s") or 0.0)
     share = useful[1] / useful[0] if useful[0] else None
     said = [
         f"kvgate finished {gated.get('ok', 0)} in time where vLLM alone finished {direct.get('ok', 0)}",
-        f"with {gated.get('preemptions') or 0:.0f} preemptions against {direct.get('preemptions') or 0:.0f}",
+        f"with {_count(gated.get('preemptions') or 0, 'preemption')} against {direct.get('preemptions') or 0:.0f}",
     ]
     if gated.get("shed"):
         said.append(f"and refused {gated['shed']} at once rather than letting them time out")

@@ -57,3 +57,8 @@ def test_nothing_refused_and_nothing_useful_say_so_plainly() -> None:
     words = load().in_words({"ok": 0, "preemptions": None}, {"ok": 0, "shed": 0})
     assert "refused" not in words
     assert "useful tokens" not in words
+
+
+def test_one_preemption_is_one() -> None:
+    words = load().in_words({"ok": 34, "preemptions": 66.0}, {"ok": 55, "shed": 62, "preemptions": 1.0})
+    assert "with 1 preemption against 66" in words
