@@ -10,6 +10,7 @@ vLLM 0.32 exposition, so a renamed metric on either side fails these tests.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -65,6 +67,16 @@ _DEBIAN_PACKAGES = {"promtool": "prometheus", "prometheus": "prometheus", "docke
 
 
 # -- files --------------------------------------------------------------------------------
+
+
+def load_script(name: str) -> ModuleType:
+    """A script of deploy/ (not a package) loaded as a module, `name` without `.py`."""
+    spec = importlib.util.spec_from_file_location(name, DEPLOY / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_yaml(path: Path) -> Any:

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "demo_summary.py"
+from deploy_files import load_script
 
 
 def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("demo_summary", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("demo_summary")
 
 
 DIRECT = {
