@@ -20,20 +20,13 @@ from pathlib import Path
 
 from bench import loads
 
-REPO = Path(__file__).resolve().parent.parent
-KVGATE = REPO / ".venv" / "bin" / "kvgate"
-
-
-def burst_spec(n: int, rate: float, requests: str) -> str:
-    return f"n={n},rate={rate:.4g},{requests}"
-
 
 def finished_share(args: argparse.Namespace, rate: float) -> float:
     """One burst at `rate` straight to vLLM: the share of it finished within the deadline."""
     out = args.out / f"rate-{rate:.4g}"
     command = [
-        str(KVGATE), "bench", "--target", args.vllm,
-        "--synthetic", burst_spec(args.n, rate, args.requests),
+        sys.executable, "-m", "gateway.cli", "bench", "--target", args.vllm,
+        "--synthetic", f"n={args.n},rate={rate:.4g},{args.requests}",
         "--max-tokens", str(args.max_tokens), "--clients", "deadline", "--deadline", str(args.deadline),
         "--seed", str(args.seed), "--out", str(out),
     ]  # fmt: skip
