@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_FINISHED_SHARE = 0.98
 DEFAULT_MARGIN = 0.8
@@ -58,6 +59,13 @@ class RateSearch:
         """The rates of the issue's loads (empty when nothing passed)."""
         one_x = self.one_x
         return {} if one_x is None else {name: one_x * k for name, k in LOAD_MULTIPLES.items()}
+
+
+def finished_share_of(target: Mapping[str, Any]) -> float:
+    """The share of a burst finished within the deadline, from one target's row of a `kvgate
+    bench` summary (`ok` of `sent`; 0 when nothing was sent): what the search measures."""
+    sent = target["sent"]
+    return float(target["ok"]) / sent if sent else 0.0
 
 
 def find_rate(

@@ -36,7 +36,7 @@ def finished_share(args: argparse.Namespace, rate: float) -> float:
     if done.returncode != 0:
         raise SystemExit(f"kvgate bench exited with {done.returncode}: see {out / 'bench.log'}")
     [result] = json.loads((out / "summary.json").read_text())["targets"]
-    share = float(result["ok"]) / result["sent"] if result["sent"] else 0.0
+    share = loads.finished_share_of(result)
     print(
         f"   {rate:.3g}/s: vLLM finished {result['ok']} of {result['sent']} within {args.deadline:g} s",
         file=sys.stderr,

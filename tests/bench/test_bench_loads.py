@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from bench.loads import describe, find_rate, parse_rates
+from bench.loads import describe, find_rate, finished_share_of, parse_rates
 
 
 def backend(capacity: float) -> Callable[[float], float]:
@@ -70,3 +70,8 @@ def test_rates_are_numbers_or_multiples_of_the_measured_1x() -> None:
         parse_rates("3x", None)
     with pytest.raises(ValueError, match="> 0"):
         parse_rates("0", None)
+
+
+def test_the_share_finished_is_read_from_a_bench_summary_row() -> None:
+    assert finished_share_of({"ok": 39, "sent": 40, "late": 1}) == pytest.approx(0.975)
+    assert finished_share_of({"ok": 0, "sent": 0}) == 0.0  # nothing sent is nothing finished

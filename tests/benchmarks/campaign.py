@@ -176,9 +176,9 @@ def find_one_x(args: argparse.Namespace) -> loads.RateSearch:
                 [backend], backend, rate, args, args.out / f"find-1x-rate{rate:.4g}",
                 Clients.DEADLINE, repeat=1,
             )  # fmt: skip
-            share = result["ok"] / result["sent"] if result["sent"] else 0.0
+            share = loads.finished_share_of(result)
             print(f"find-1x: rate {rate:.4g}/s: {100 * share:.1f}% finished within the deadline", flush=True)
-            return float(share)
+            return share
 
         search = loads.find_rate(
             finished_share,
