@@ -8,6 +8,14 @@ given (the campaign runs the bench against vLLM straight): it doubles (or halves
 until the share finished changes side, then bisects between the last rate that passed and the
 first that failed, geometrically since the first bracket spans a factor of two. The
 measurement is noisy, so the answer is a rate that passed, not a fitted boundary.
+
+A slice is finite, and a deadline lets a backend finish late what arrived faster than it
+keeps up: `n` requests arriving at `r` per second to a backend that serves `C < r` leave a
+backlog whose last request waits `n / C - n / r`. The slice is finished within the deadline
+`d` while that stays under `d`, so the highest rate that passes, `r*`, says the backend keeps
+up with `C = 1 / (1 / r* + d / n)`, not `r*`: a slice that arrives within one deadline can pass
+at any rate. When the search knows the slice (`slice_requests`, `deadline_s`), 1x is that `C`
+times the margin; the rate that passed stays in `sustained`.
 """
 
 from __future__ import annotations
@@ -43,17 +51,28 @@ class Step:
 class RateSearch:
     """The outcome: `sustained` is the highest rate that passed (None when even the lowest
     tried failed); `bounded` is False when no rate tried failed (the backend may sustain more
-    than `sustained`); `one_x` is `sustained` times the margin."""
+    than `sustained`); `capacity` the rate the backend keeps up with, from `sustained` and the
+    slice (see the module docstring; `sustained` itself when the slice is not given); `one_x`
+    is `capacity` times the margin."""
 
     steps: tuple[Step, ...]
     target_share: float
     margin: float
     sustained: float | None
     bounded: bool
+    slice_requests: int | None = None
+    deadline_s: float | None = None
+
+    @property
+    def capacity(self) -> float | None:
+        if self.sustained is None or self.slice_requests is None or self.deadline_s is None:
+            return self.sustained
+        return 1.0 / (1.0 / self.sustained + self.deadline_s / self.slice_requests)
 
     @property
     def one_x(self) -> float | None:
-        return None if self.sustained is None else self.sustained * self.margin
+        capacity = self.capacity
+        return None if capacity is None else capacity * self.margin
 
     def loads(self) -> dict[str, float]:
         """The rates of the issue's loads (empty when nothing passed)."""
@@ -76,11 +95,16 @@ def find_rate(
     margin: float = DEFAULT_MARGIN,
     max_doublings: int = DEFAULT_MAX_DOUBLINGS,
     bisections: int = DEFAULT_BISECTIONS,
+    slice_requests: int | None = None,
+    deadline_s: float | None = None,
 ) -> RateSearch:
     """Search the highest rate at which `finished_share(rate)` (0..1) reaches `target_share`:
-    at most 1 + `max_doublings` + `bisections` measurements."""
+    at most 1 + `max_doublings` + `bisections` measurements. With the slice's length and the
+    deadline, 1x is what the backend keeps up with (see the module docstring)."""
     if start_rate <= 0 or not 0 < target_share <= 1 or not 0 < margin <= 1:
         raise ValueError("start_rate must be > 0, target_share and margin in (0, 1]")
+    if (slice_requests is not None and slice_requests <= 0) or (deadline_s is not None and deadline_s <= 0):
+        raise ValueError("slice_requests and deadline_s must be > 0")
     steps: list[Step] = []
 
     def measure(rate: float) -> bool:
@@ -120,6 +144,8 @@ def find_rate(
         margin=margin,
         sustained=good,
         bounded=bad is not None,
+        slice_requests=slice_requests,
+        deadline_s=deadline_s,
     )
 
 
@@ -154,6 +180,13 @@ def describe(search: RateSearch) -> str:
         f"sustained: {search.sustained:.3g}/s"
         + ("" if search.bounded else " (no rate tried failed: the backend may sustain more)")
     )
+    basis = "sustained"
+    if search.capacity != search.sustained and search.capacity is not None:
+        lines.append(
+            f"keeps up with: {search.capacity:.3g}/s (what finishes {search.slice_requests} requests"
+            f" arriving at {search.sustained:.3g}/s within {search.deadline_s:g} s)"
+        )
+        basis = "keeps up with"
     loads = ", ".join(f"{name} = {rate:.3g}/s" for name, rate in search.loads().items())
-    lines.append(f"1x = sustained x {search.margin:g}: {loads}")
+    lines.append(f"1x = {basis} x {search.margin:g}: {loads}")
     return "\n".join(lines)

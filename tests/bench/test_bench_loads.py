@@ -63,6 +63,48 @@ def test_the_search_uses_the_target_share_and_margin_it_is_given() -> None:
         find_rate(backend(1.0), margin=0.0)
 
 
+def slice_backend(capacity: float, requests: int, deadline_s: float) -> Callable[[float], float]:
+    """A backend serving `capacity` requests/s, fed a slice of `requests` at a rate: the share
+    finished within the deadline, the backlog drained in order (a fluid queue)."""
+
+    def finished_share(rate: float) -> float:
+        if rate <= capacity:
+            return 1.0
+        # Request i arrives at i / rate and finishes at i / capacity: within the deadline
+        # while i * (1 / capacity - 1 / rate) <= deadline_s.
+        within = deadline_s / (1 / capacity - 1 / rate)
+        return min(1.0, within / requests)
+
+    return finished_share
+
+
+def test_a_slice_shorter_than_its_backlog_is_not_mistaken_for_capacity() -> None:
+    # 300 requests and a 10 s deadline: at 128/s a backend of 25/s still finishes them all in
+    # time (the last one waits 300/25 - 300/128 = 9.7 s), so the rate that passes says little.
+    share = slice_backend(25.0, 300, 10.0)
+    assert share(128.0) == 1.0
+    search = find_rate(share, start_rate=16.0, bisections=4, slice_requests=300, deadline_s=10.0)
+    assert search.sustained is not None
+    assert search.sustained > 100
+    # What keeps up is recovered from the slice: within the bisection's step of 25/s.
+    capacity = search.capacity
+    assert capacity is not None
+    assert capacity == pytest.approx(25.0, rel=0.05)
+    assert search.one_x == pytest.approx(capacity * 0.8)
+    assert "keeps up with: " in describe(search)
+    # A longer slice needs no correction to speak of: its backlog is what fails it.
+    longer = find_rate(
+        slice_backend(25.0, 30_000, 10.0),
+        start_rate=16.0,
+        bisections=4,
+        slice_requests=30_000,
+        deadline_s=10.0,
+    )
+    assert longer.capacity == pytest.approx(25.0, rel=0.05)
+    with pytest.raises(ValueError, match="slice_requests"):
+        find_rate(share, slice_requests=0, deadline_s=10.0)
+
+
 def test_rates_are_numbers_or_multiples_of_the_measured_1x() -> None:
     assert parse_rates("2,4.5", None) == [2.0, 4.5]
     assert parse_rates("0.5x,1x, 3x", 4.0) == [2.0, 4.0, 12.0]

@@ -25,8 +25,11 @@ the learned estimate with perfect knowledge.
 
 The loads are defined by measurement: `--find-1x` first searches, against vLLM straight on
 the same slice with deadline clients, the rate at which it finishes at least 98% within the
-deadline (doubling, then a few bisections), and 1x = that rate x --margin (0.8); `--rates`
-may then name multiples (`--rates 0.5x,1x,3x`), or give `--one-x R` from an earlier search.
+deadline (doubling, then a few bisections). A slice that arrives faster than vLLM keeps up
+still finishes in time while its backlog drains within the deadline, so that rate overstates
+what vLLM keeps up with; from it, the slice's length and the deadline, the search derives the
+rate it does keep up with (bench/loads.py), and 1x = that x --margin (0.8). `--rates` may then
+name multiples (`--rates 0.5x,1x,3x`), or give `--one-x R` from an earlier search.
 `--find-1x` without multiples in --rates only reports the rates (find-1x.json):
 
     .venv/bin/python tests/benchmarks/campaign.py --ctx-scale 0.125 -n 600 --find-1x --out build/find-1x
@@ -187,6 +190,8 @@ def find_one_x(args: argparse.Namespace) -> loads.RateSearch:
             margin=args.margin,
             max_doublings=args.max_doublings,
             bisections=args.bisections,
+            slice_requests=args.n,
+            deadline_s=args.deadline,
         )
     finally:
         testbed.stop_process(vllm.pid)
@@ -201,6 +206,7 @@ def find_one_x(args: argparse.Namespace) -> loads.RateSearch:
         "margin": search.margin,
         "steps": [{"rate": s.rate, "finished_share": s.finished_share} for s in search.steps],
         "sustained_rate": search.sustained,
+        "keeps_up_with": search.capacity,
         "bounded": search.bounded,
         "one_x": search.one_x,
         "loads": search.loads(),
@@ -278,7 +284,9 @@ def parse_args() -> argparse.Namespace:
         default=loads.DEFAULT_FINISHED_SHARE,
         help="share of the slice vLLM straight must finish within the deadline",
     )
-    search.add_argument("--margin", type=float, default=loads.DEFAULT_MARGIN, help="1x = sustained x this")
+    search.add_argument(
+        "--margin", type=float, default=loads.DEFAULT_MARGIN, help="1x = the rate vLLM keeps up with x this"
+    )
     search.add_argument("--max-doublings", type=int, default=loads.DEFAULT_MAX_DOUBLINGS)
     search.add_argument("--bisections", type=int, default=loads.DEFAULT_BISECTIONS)
     parser.add_argument("--repeat", type=int, default=1)
