@@ -32,7 +32,8 @@ and `azure` (bench/traces/AzureLLMInferenceTrace_code_600.csv, contexts / 8, lit
 a path to another trace takes --ctx-scale and --gen-scale. The loads are defined by
 measurement as in campaign.py: `--find-1x` searches, per trace and against SGLang round_robin
 (the plainest spread over the two engines) with deadline clients, the rate at which 98% of the
-slice finishes within the deadline, and 1x = that x --margin; `--one-x mooncake=R,azure=R`
+slice finishes within the deadline, and 1x = what the fleet keeps up with (derived from that
+rate, the slice's length and the deadline: bench/loads.py) x --margin; `--one-x mooncake=R,azure=R`
 gives 1x from an earlier search. Not a test: minutes per trace.
 """
 
@@ -379,6 +380,8 @@ def find_one_x(trace: Trace, setup: Setup, out: Path) -> loads.RateSearch:
         margin=args.margin,
         max_doublings=args.max_doublings,
         bisections=args.bisections,
+        slice_requests=args.n,
+        deadline_s=args.deadline,
     )
     report = {
         "trace": trace.name,
@@ -386,6 +389,7 @@ def find_one_x(trace: Trace, setup: Setup, out: Path) -> loads.RateSearch:
         "target": fleet.sglang_target("round_robin"),
         "steps": [{"rate": s.rate, "finished_share": s.finished_share} for s in search.steps],
         "sustained_rate": search.sustained,
+        "keeps_up_with": search.capacity,
         "bounded": search.bounded,
         "one_x": search.one_x,
         "loads": search.loads(),
