@@ -79,6 +79,19 @@ class RateSearch:
         one_x = self.one_x
         return {} if one_x is None else {name: one_x * k for name, k in LOAD_MULTIPLES.items()}
 
+    def to_json(self) -> dict[str, Any]:
+        """What a benchmark records of the search (its find-1x.json, beside what it replayed)."""
+        return {
+            "target_share": self.target_share,
+            "margin": self.margin,
+            "steps": [{"rate": s.rate, "finished_share": s.finished_share} for s in self.steps],
+            "sustained_rate": self.sustained,
+            "keeps_up_with": self.capacity,
+            "bounded": self.bounded,
+            "one_x": self.one_x,
+            "loads": self.loads(),
+        }
+
 
 def finished_share_of(target: Mapping[str, Any]) -> float:
     """The share of a burst finished within the deadline, from one target's row of a `kvgate

@@ -92,6 +92,10 @@ def test_a_slice_shorter_than_its_backlog_is_not_mistaken_for_capacity() -> None
     assert capacity == pytest.approx(25.0, rel=0.05)
     assert search.one_x == pytest.approx(capacity * 0.8)
     assert "keeps up with: " in describe(search)
+    recorded = search.to_json()
+    assert (recorded["sustained_rate"], recorded["keeps_up_with"]) == (search.sustained, capacity)
+    assert recorded["loads"] == search.loads()
+    assert len(recorded["steps"]) == len(search.steps)
     # A longer slice needs no correction to speak of: its backlog is what fails it.
     longer = find_rate(
         slice_backend(25.0, 30_000, 10.0),

@@ -202,14 +202,7 @@ def find_one_x(args: argparse.Namespace) -> loads.RateSearch:
         "ctx_scale": args.ctx_scale,
         "gen_scale": args.gen_scale,
         "deadline_s": args.deadline,
-        "target_share": search.target_share,
-        "margin": search.margin,
-        "steps": [{"rate": s.rate, "finished_share": s.finished_share} for s in search.steps],
-        "sustained_rate": search.sustained,
-        "keeps_up_with": search.capacity,
-        "bounded": search.bounded,
-        "one_x": search.one_x,
-        "loads": search.loads(),
+        **search.to_json(),
     }
     (args.out / "find-1x.json").write_text(json.dumps(report, indent=1))
     print(loads.describe(search), flush=True)

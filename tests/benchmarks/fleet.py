@@ -387,12 +387,7 @@ def find_one_x(trace: Trace, setup: Setup, out: Path) -> loads.RateSearch:
         "trace": trace.name,
         "n": args.n,
         "target": fleet.sglang_target("round_robin"),
-        "steps": [{"rate": s.rate, "finished_share": s.finished_share} for s in search.steps],
-        "sustained_rate": search.sustained,
-        "keeps_up_with": search.capacity,
-        "bounded": search.bounded,
-        "one_x": search.one_x,
-        "loads": search.loads(),
+        **search.to_json(),
     }
     (out / f"find-1x-{trace.name}.json").write_text(json.dumps(report, indent=1))
     print(loads.describe(search), flush=True)
